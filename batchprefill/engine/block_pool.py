@@ -1,0 +1,102 @@
+"""A fixed pool of KV blocks in three disjoint buckets, and the prefix cache that maps keys to blocks.
+
+- active: reference count > 0, in some request's block table;
+- reclaimable: reference count 0 but holding a cached prefix, kept in LRU order for reuse or eviction;
+- free: holding nothing valid.
+
+Eviction only unlinks a block's key; the memory behind it is never freed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def scope_key(*parts: object) -> bytes:
+    """The root of every hash chain: everything that changes KV for the same tokens."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """A full block's key: its parent's key and its own tokens, so a changed token changes every later key."""
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+class PoolExhausted(RuntimeError):
+    pass
+
+
+@dataclass
+class BucketCounts:
+    active: int
+    reclaimable: int
+    free: int
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.keys: list[bytes | None] = [None] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.reclaimable: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self.cached: dict[bytes, int] = {}
+        self.evictions = 0
+
+    def counts(self) -> BucketCounts:
+        spare = len(self.free) + len(self.reclaimable)
+        return BucketCounts(self.num_blocks - spare, len(self.reclaimable), len(self.free))
+
+    @property
+    def num_available(self) -> int:
+        return len(self.free) + len(self.reclaimable)
+
+    def lookup(self, key: bytes) -> int | None:
+        return self.cached.get(key)
+
+    def allocate(self, count: int) -> list[int]:
+        """Blocks with no valid data: free ones first, then the least recently used reclaimable ones."""
+        if count > self.num_available:
+            raise PoolExhausted(f"{count} blocks asked, {self.num_available} available")
+        blocks = []
+        for _ in range(count):
+            if self.free:
+                block = self.free.popleft()
+            else:
+                block, _ = self.reclaimable.popitem(last=False)
+                del self.cached[self.keys[block]]
+                self.keys[block] = None
+                self.evictions += 1
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def acquire(self, blocks: Sequence[int]) -> None:
+        """Take a reference on cached blocks (a prefix hit)."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.reclaimable[block]
+            self.ref_counts[block] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop a request's references, deepest block first, so deep blocks are evicted before shallow ones."""
+        for block in reversed(blocks):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.keys[block] is None:
+                    self.free.append(block)
+                else:
+                    self.reclaimable[block] = None
+
+    def register(self, block: int, key: bytes) -> None:
+        """Mark a block whose KV is now fully computed as the holder of `key`, unless another already is."""
+        if self.keys[block] is None and key not in self.cached:
+            self.cached[key] = block
+            self.keys[block] = key

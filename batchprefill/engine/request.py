@@ -1,0 +1,70 @@
+"""A request as the engine sees it: token ids, the blocks holding its KV, and its sampling state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    namespace: str = ""
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained keys of full blocks, grown lazily
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens reused at first admission
+    finish_reason: str | None = None
+    output_text: str = ""
+    error: str | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token(self, index: int) -> int:
+        prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < prompt else self.output_token_ids[index - prompt]
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        prompt = self.prompt_token_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        return (prompt + self.output_token_ids)[start:stop]
+
+    @property
+    def is_decoding(self) -> bool:
+        """All tokens but the last sampled one are in the cache: the next step computes one token."""
+        return self.num_computed_tokens == self.num_tokens - 1 and bool(self.output_token_ids)

@@ -1,0 +1,176 @@
+"""The ops the model calls, their metadata, and the plain torch implementation.
+
+Every backend implements the same five functions with the same tensor layouts, so the model never
+knows which one runs. The torch path is both the CPU path and the reference the Triton kernels are
+tested against.
+
+Layouts:
+- flat batch: all query tokens of a step in one dimension `T` (prefill chunks and decodes mixed);
+- KV cache of one layer: `[num_blocks, block_size, num_kv_heads, head_dim]`, one tensor for K, one for V;
+- a token's cache slot is `block_id * block_size + offset_in_block`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's queries sit in the flat batch and where its KV lives in the pool."""
+
+    query_start: torch.Tensor  # [S+1] int32: sequence s owns queries query_start[s]:query_start[s+1]
+    seq_lens: torch.Tensor  # [S] int32: context length after this step (cached + new tokens)
+    block_tables: torch.Tensor  # [S, max_blocks] int32: physical block ids, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of every new token
+    query_lens_host: list[int]  # host copies, so no backend has to sync the device to loop
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens_host)
+
+
+class Ops(Protocol):
+    """What a compute backend provides to the model."""
+
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write key/value `[T, Hkv, D]` into the paged caches at `slot_mapping` `[T]`."""
+
+    def attention(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal paged attention for a flat batch: query `[T, Hq, D]` -> `[T, Hq, D]`.
+
+        Query j of sequence s sits at absolute position `seq_len - query_len + j` and attends to every
+        cached position up to and including its own. Hq is a multiple of Hkv (GQA).
+        """
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm with the residual add fused in: returns (norm(x + residual) * weight, x + residual).
+
+        With no residual, the second value is x itself.
+        """
+
+    def rope(
+        self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half RoPE on query `[T, Hq, D]` and key `[T, Hkv, D]`.
+
+        `cos_sin` is `[max_positions, D]`: the first D/2 columns are cos, the last D/2 sin.
+        """
+
+
+def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """The `[max_positions, head_dim]` cos|sin table for rotate-half RoPE, in float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, scaling)
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent RoPE scaling (long wavelengths stretched, short ones kept)."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = ((original / wavelen) - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    middle = (wavelen <= original / low) & (wavelen >= original / high)
+    return torch.where(middle, blended, scaled)
+
+
+class TorchOps:
+    """Plain torch ops: the CPU path and the reference for the kernels."""
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[keep].to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep].to(v_cache.dtype))
+
+    def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(query)
+        decodes = [s for s, n in enumerate(meta.query_lens_host) if n == 1]
+        if len(decodes) > 1:
+            self._decode_batch(query, k_cache, v_cache, meta, scale, decodes, out)
+        else:
+            decodes = []
+        done = set(decodes)
+        for s in range(meta.num_seqs):
+            if s not in done:
+                self._one_sequence(query, k_cache, v_cache, meta, scale, s, out)
+        return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+        """The first `length` cached tokens of one sequence: `[length, Hkv, D]`."""
+        num_blocks = -(-length // cache.shape[1])
+        return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+
+    def _one_sequence(self, query, k_cache, v_cache, meta, scale, s, out) -> None:
+        start, q_len, seq_len = int(meta.query_start[s]), meta.query_lens_host[s], meta.seq_lens_host[s]
+        keys = self._gather(k_cache, meta.block_tables[s], seq_len).to(query.dtype)
+        values = self._gather(v_cache, meta.block_tables[s], seq_len).to(query.dtype)
+        q = query[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+        # Query j sits at position seq_len - q_len + j: it sees keys 0..that position.
+        key_pos = torch.arange(seq_len, device=query.device)
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        result = F.scaled_dot_product_attention(
+            q, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[start : start + q_len] = result.transpose(0, 1)
+
+    def _decode_batch(self, query, k_cache, v_cache, meta, scale, decodes, out) -> None:
+        """All single-token sequences in one padded SDPA call: one kernel instead of one per sequence."""
+        index = torch.tensor(decodes, device=query.device)
+        lens = meta.seq_lens[index].long()
+        max_len = max(meta.seq_lens_host[s] for s in decodes)
+        num_blocks = -(-max_len // k_cache.shape[1])
+        tables = meta.block_tables[index, :num_blocks].long()
+        keys = k_cache[tables].flatten(1, 2)[:, :max_len].to(query.dtype)  # [B, L, Hkv, D]
+        values = v_cache[tables].flatten(1, 2)[:, :max_len].to(query.dtype)
+        rows = meta.query_start[index].long()
+        q = query[rows].unsqueeze(2)  # [B, Hq, 1, D]
+        mask = (torch.arange(max_len, device=query.device)[None, :] < lens[:, None])[:, None, None, :]
+        result = F.scaled_dot_product_attention(
+            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[rows] = result.squeeze(2)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return (normed * weight.float()).to(x.dtype), x
+
+    def rope(self, query, key, positions, cos_sin):
+        table = cos_sin[positions]
+        half = table.shape[-1] // 2
+        cos, sin = table[:, None, :half], table[:, None, half:]
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

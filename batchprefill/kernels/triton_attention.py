@@ -1,0 +1,264 @@
+"""Paged attention kernels: one prefill kernel for ragged mixed batches, split-K decode with an LSE merge.
+
+Kernels read sequence lengths and offsets from the device; host copies only size grids, so a decode
+launch sized for longer contexts than the real ones still computes the right thing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_SEGMENTS = 64  # the merge kernel holds every segment of one head in registers at once
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter, whose bf16 `tl.dot` is wrong: there, dots run in fp32."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _kv_offsets(table_ptr, kv_pos, kv_valid, block_size, stride_block, stride_slot):
+    """Cache offsets of the KV rows at `kv_pos`, each looked up in the block table on its own, so a tile
+    may span several blocks or part of one."""
+    block = tl.load(table_ptr + kv_pos // block_size, mask=kv_valid, other=0).to(tl.int64)
+    return block * stride_block + (kv_pos % block_size) * stride_slot
+
+
+@triton.jit
+def _prefill_inner(
+    acc, m_i, l_i, q, q_pos, lo, hi, seq_len, k_ptr, v_ptr, table_ptr, dim_offs, dim_valid, qk_scale,
+    block_size, stride_block, stride_slot,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over KV tiles [lo, hi); MASKED applies causality and the sequence end."""
+    for start in range(lo, hi, BLOCK_N):
+        kv_pos = start + tl.arange(0, BLOCK_N)
+        kv_valid = kv_pos < seq_len
+        rows = _kv_offsets(table_ptr, kv_pos, kv_valid, block_size, stride_block, stride_slot)
+        tile_mask = kv_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_ptr + rows[:, None] + dim_offs[None, :], mask=tile_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + rows[:, None] + dim_offs[None, :], mask=tile_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tile_seq_ptr, tile_index_ptr,
+    query_start_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, block_size, head_dim,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_table,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program: BLOCK_M query rows of one sequence, one query head, over all KV it may see."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    first_row = tl.load(tile_index_ptr + tile) * BLOCK_M
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len + first_row  # absolute position of the tile's first query
+
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_valid = rows < q_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_dim
+    q_offs = (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :] * stride_qd
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = first_pos + rows - first_row
+
+    kv_head_offset = (head // GROUP) * stride_kh
+    k_ptr = k_cache_ptr + kv_head_offset
+    v_ptr = v_cache_ptr + kv_head_offset
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+    dim_offs = dims * stride_kd
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1e30  # finite: a fully masked tile gives p = 0, not NaN
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # Tiles every row of this tile sees in full need no mask; the rest stop at the last row's position.
+    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    end = tl.minimum(seq_len, first_pos + BLOCK_M)
+    acc, m_i, l_i = _prefill_inner(
+        acc, m_i, l_i, q, q_pos, 0, unmasked_end, seq_len, k_ptr, v_ptr, table_ptr, dim_offs, dim_valid,
+        qk_scale, block_size, stride_kb, stride_ks, BLOCK_N, False, DOT_PRECISION,
+    )
+    acc, m_i, l_i = _prefill_inner(
+        acc, m_i, l_i, q, q_pos, unmasked_end, end, seq_len, k_ptr, v_ptr, table_ptr, dim_offs, dim_valid,
+        qk_scale, block_size, stride_kb, stride_ks, BLOCK_N, True, DOT_PRECISION,
+    )
+
+    out = acc / l_i[:, None]
+    o_offs = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_od
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    query_start_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, block_size, head_dim, segment_len,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_table,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program: one segment of one sequence's context for all query heads of one KV head, so each
+    KV tile is read once per GQA group. With SPLIT it writes a normalized partial output and its LSE."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+    num_segments = tl.num_programs(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    row = tl.load(query_start_ptr + seq)
+    lo = segment * segment_len
+    hi = tl.minimum(seq_len, lo + segment_len)
+
+    group = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + group
+    head_valid = group < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_dim
+    q_mask = head_valid[:, None] & dim_valid[None, :]
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd,
+                mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    kv_head_offset = kv_head * stride_kh
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+    dim_offs = dims * stride_kd
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1e30
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        kv_pos = start + tl.arange(0, BLOCK_N)
+        kv_valid = kv_pos < hi
+        rows = _kv_offsets(table_ptr, kv_pos, kv_valid, block_size, stride_kb, stride_ks) + kv_head_offset
+        tile_mask = kv_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + dim_offs[None, :], mask=tile_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(kv_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + rows[:, None] + dim_offs[None, :], mask=tile_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    if SPLIT:
+        # Layouts: part_out [S, Hq, num_segments, BLOCK_D], part_lse [S, Hq, num_segments].
+        slot = (seq * tl.num_programs(1) * GROUP + heads) * num_segments + segment
+        has_work = lo < seq_len
+        tl.store(part_lse_ptr + slot, m_i + tl.log2(l_i), mask=head_valid & has_work)
+        tl.store(part_out_ptr + slot[:, None] * BLOCK_D + dims[None, :], out, mask=q_mask & has_work)
+    else:
+        o_offs = row * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_ptr, seq_lens_ptr, segment_len, head_dim,
+    stride_ot, stride_oh, stride_od,
+    NUM_SEGMENTS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Combine one head's segment outputs, each weighted by its share of the softmax mass (2^lse)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    row = tl.load(query_start_ptr + seq)
+    segments = tl.arange(0, BLOCK_S)
+    seg_valid = segments < tl.minimum(tl.cdiv(seq_len, segment_len), NUM_SEGMENTS)
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_dim
+    slot = (seq * tl.num_programs(1) + head) * NUM_SEGMENTS + segments
+    lse = tl.load(part_lse_ptr + slot, mask=seg_valid, other=float("-inf"))
+    parts = tl.load(part_out_ptr + slot[:, None] * BLOCK_D + dims[None, :],
+                    mask=seg_valid[:, None] & dim_valid[None, :], other=0.0)
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    o_offs = row * stride_ot + head * stride_oh + dims * stride_od
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+
+
+def _dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
+    """(upcast dot operands to fp32, input precision): fp32 dots stay exact ('ieee'), not tf32."""
+    upcast = interpreting()
+    return upcast, "ieee" if upcast or dtype == torch.float32 else "tf32"
+
+
+def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share one layout")
+    return k_cache.stride()
+
+
+def prefill_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, tile_map: torch.Tensor,
+    scale: float, block_m: int, block_n: int, num_warps: int, num_stages: int,
+) -> None:
+    """Launch the prefill kernel; `tile_map` [2, tiles] holds each tile's sequence and index in it."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    upcast, precision = _dot_settings(query.dtype)
+    grid = (tile_map.shape[1], num_heads)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, out, tile_map[0], tile_map[1], query_start, seq_lens, block_tables,
+        scale * LOG2E, k_cache.shape[1], head_dim, *query.stride(), *out.stride(),
+        *_cache_strides(k_cache, v_cache), block_tables.stride(0),
+        GROUP=num_heads // k_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def decode_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+    scale: float, segment_len: int, num_segments: int, block_n: int, num_warps: int, num_stages: int,
+) -> None:
+    """Launch the decode kernel over (sequence, KV head, segment), then the merge when split."""
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    split = num_segments > 1
+    part_out = part_lse = out  # unused placeholders when not split
+    if split:
+        part_out = torch.empty(num_seqs, num_heads, num_segments, block_d, dtype=torch.float32,
+                               device=query.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_segments, dtype=torch.float32, device=query.device)
+    upcast, precision = _dot_settings(query.dtype)
+    _decode_kernel[(num_seqs, num_kv_heads, num_segments)](
+        query, k_cache, v_cache, out, part_out, part_lse, query_start, seq_lens, block_tables,
+        scale * LOG2E, k_cache.shape[1], head_dim, segment_len, *query.stride(), *out.stride(),
+        *_cache_strides(k_cache, v_cache), block_tables.stride(0),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        SPLIT=split, UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _merge_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, query_start, seq_lens, segment_len, head_dim, *out.stride(),
+            NUM_SEGMENTS=num_segments, BLOCK_S=triton.next_power_of_2(num_segments), BLOCK_D=block_d,
+        )

@@ -1,0 +1,1 @@
+"""Model loading (GGUF conversion, HF folders), the tokenizer, and the Llama-family forward pass."""
