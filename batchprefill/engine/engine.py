@@ -122,7 +122,8 @@ class Engine:
         """Nothing runs and the next request still cannot start: it can never fit in the pool."""
         request = self.scheduler.waiting.popleft()
         capacity = self.config.num_blocks * self.config.block_size
-        request.error = f"needs {request.num_tokens + 1} KV slots but the pool holds {capacity}; raise engine.kv_cache_tokens"
+        request.error = (f"needs {request.num_tokens + 1} KV slots but the pool holds {capacity}; "
+                         "raise engine.kv_cache_tokens")
         self._finish(request, "error", "")
         return request
 

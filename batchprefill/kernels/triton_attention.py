@@ -73,7 +73,7 @@ def _prefill_kernel(
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    first_pos = seq_len - q_len + first_row  # absolute position of the tile's first query
+    first_pos = seq_len - q_len + first_row  # absolute position of the tile's first query row
 
     rows = first_row + tl.arange(0, BLOCK_M)
     row_valid = rows < q_len
@@ -83,7 +83,7 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    q_pos = first_pos + rows - first_row
+    q_pos = seq_len - q_len + rows
 
     kv_head_offset = (head // GROUP) * stride_kh
     k_ptr = k_cache_ptr + kv_head_offset
@@ -164,13 +164,13 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    l_i = tl.maximum(l_i, 1e-30)  # 0 only in a segment past the sequence end, which the merge never reads
     out = acc / l_i[:, None]
     if SPLIT:
         # Layouts: part_out [S, Hq, num_segments, BLOCK_D], part_lse [S, Hq, num_segments].
         slot = (seq * tl.num_programs(1) * GROUP + heads) * num_segments + segment
-        has_work = lo < seq_len
-        tl.store(part_lse_ptr + slot, m_i + tl.log2(l_i), mask=head_valid & has_work)
-        tl.store(part_out_ptr + slot[:, None] * BLOCK_D + dims[None, :], out, mask=q_mask & has_work)
+        tl.store(part_lse_ptr + slot, m_i + tl.log2(l_i), mask=head_valid)
+        tl.store(part_out_ptr + slot[:, None] * BLOCK_D + dims[None, :], out, mask=q_mask)
     else:
         o_offs = row * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)

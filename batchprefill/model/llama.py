@@ -69,7 +69,8 @@ class ModelConfig:
     def num_parameters(self) -> int:
         """Parameters in the linear layers and the LM head: the N of the 2·tokens·N FLOP estimate."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = self.hidden_size * (q + 2 * kv) + q * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
+        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        per_layer = attention + 3 * self.hidden_size * self.intermediate_size
         return self.num_layers * per_layer + self.vocab_size * self.hidden_size
 
 
@@ -144,6 +145,6 @@ def load_weights(folder: Path, dtype: torch.dtype, device: torch.device) -> dict
     weights = {}
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - safe_open is no dict
                 weights[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
     return weights

@@ -1,0 +1,67 @@
+"""Find the input a job names and stream it as Arrow record batches, never the whole dataset at once."""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+
+from batchprefill.errors import JobError
+
+SAMPLE_DIR = Path(__file__).resolve().parent.parent / "data_samples"
+
+
+@dataclass(frozen=True)
+class Columns:
+    prompt: str
+    id: str
+    system: str | None
+    namespace: str | None
+
+
+def resolve_input(path: str | None, fmt: str) -> tuple[list[Path], str]:
+    """The Parquet or Arrow files behind `data.input`, and a file format pyarrow can stream."""
+    if fmt not in ("parquet", "datasets"):
+        raise JobError(f"data.format={fmt!r}: choose parquet or datasets")
+    if path is None:
+        if not SAMPLE_DIR.exists():
+            raise JobError("no data.input given and the shipped sample folder is not installed; set data.input")
+        path = str(SAMPLE_DIR / "prompts.parquet")
+    if fmt == "datasets":
+        folder = Path(path)
+        files = sorted(folder.glob("data-*.arrow")) or sorted(folder.glob("*.arrow"))
+        if not (folder / "dataset_info.json").exists() or not files:
+            raise JobError(f"data.input {path} is not a folder saved by datasets' save_to_disk")
+        return files, "arrow"
+    target = Path(path)
+    if target.is_dir():
+        files = sorted(target.rglob("*.parquet"))
+    elif any(ch in path for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(path, recursive=True))
+    else:
+        files = [target] if target.exists() else []
+    if not files:
+        raise JobError(f"data.input {path}: no Parquet files found")
+    return files, "parquet"
+
+
+def open_dataset(files: list[Path], fmt: str) -> pads.Dataset:
+    if fmt == "arrow":
+        return pads.dataset([pa.ipc.open_stream(pa.memory_map(str(f))).read_all() for f in files])
+    return pads.dataset([str(f) for f in files], format="parquet")
+
+
+def check_columns(schema: pa.Schema, columns: Columns) -> None:
+    names = set(schema.names)
+    for key, name in (("prompt_column", columns.prompt), ("system_column", columns.system),
+                      ("namespace_column", columns.namespace)):
+        if name is not None and name not in names:
+            raise JobError(f"data.{key}={name!r} is not a column of the input (columns: {', '.join(schema.names)})")
+
+
+def record_batches(dataset: pads.Dataset, rows: int) -> Iterator[pa.RecordBatch]:
+    yield from dataset.to_batches(batch_size=rows)

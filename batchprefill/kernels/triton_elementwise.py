@@ -1,0 +1,145 @@
+"""Per-token kernels: KV cache writes, fused residual add + RMSNorm, rotate-half RoPE.
+
+Each program handles one token (all its heads, or its whole hidden vector), so one launch covers the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_heads, head_dim, block_size,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    live_heads = tl.where(slot >= 0, num_heads, 0)  # slot -1: a token with no cache slot
+    mask = (heads < live_heads) & (dims < head_dim)
+    cache_offs = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
+    cache_offs += heads * stride_ch + dims * stride_cd
+    key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
+    tl.store(k_cache_ptr + cache_offs, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, hidden, eps,
+    stride_x, stride_r, stride_o, stride_n,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # Round the sum to x's dtype before normalizing, as the unfused `x + residual` does.
+        x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+             .to(tl.float32)).to(x.dtype)
+        tl.store(new_residual_ptr + row * stride_n + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / hidden + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (x32 * rstd * weight).to(x.dtype), mask=mask)
+
+
+@triton.jit
+def _rotate(src_ptr, dst_ptr, cos, sin, num_heads, half, stride_sh, stride_dh,
+            BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate-half one token's heads: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in fp32."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < half)
+    first = src_ptr + heads * stride_sh + dims
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + half, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    out = dst_ptr + heads * stride_dh + dims
+    tl.store(out, (a * cos - b * sin).to(x1.dtype), mask=mask)
+    tl.store(out + half, (b * cos + a * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin_ptr, num_q_heads, num_k_heads, half,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_table,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    table = cos_sin_ptr + position * stride_table + dims
+    cos = tl.load(table, mask=dims < half, other=0.0).to(tl.float32)
+    sin = tl.load(table + half, mask=dims < half, other=0.0).to(tl.float32)
+    _rotate(q_ptr + token * stride_qt, q_out_ptr + token * stride_qot, cos, sin, num_q_heads, half,
+            stride_qh, stride_qoh, BLOCK_HQ, BLOCK_HALF)
+    _rotate(k_ptr + token * stride_kt, k_out_ptr + token * stride_kot, cos, sin, num_k_heads, half,
+            stride_kh, stride_koh, BLOCK_HK, BLOCK_HALF)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    num_tokens, num_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share one layout")
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping, num_heads, head_dim, k_cache.shape[1],
+        *key.stride(), *value.stride(), *k_cache.stride(),
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(out) if residual is not None else x
+    if x2.shape[0] == 0:
+        return out, new_residual
+    r2 = _rows(residual) if residual is not None else x2
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight, out, new_residual, hidden, eps,
+        x2.stride(0), r2.stride(0), hidden, hidden,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )
+    return out, new_residual
+
+
+def rope(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_q_heads, head_dim = query.shape
+    q_out, k_out = torch.empty_like(query), torch.empty_like(key)
+    if num_tokens == 0:
+        return q_out, k_out
+    query, key, cos_sin = _unit_last_stride(query), _unit_last_stride(key), _unit_last_stride(cos_sin)
+    half = head_dim // 2
+    _rope_kernel[(num_tokens,)](
+        query, key, q_out, k_out, positions, cos_sin, num_q_heads, key.shape[1], half,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(key.shape[1]),
+        BLOCK_HALF=triton.next_power_of_2(half),
+    )
+    return q_out, k_out
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D view (rows, hidden) with unit stride along hidden."""
+    return _unit_last_stride(t).reshape(-1, t.shape[-1])

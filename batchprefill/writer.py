@@ -1,0 +1,96 @@
+"""Results and statistics out: Parquet files that appear whole (written aside, then renamed)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchprefill.prepare import INTERNAL
+
+OUTPUT_FIELDS = [
+    pa.field("output_text", pa.string()),
+    pa.field("output_token_ids", pa.list_(pa.int32())),
+    pa.field("num_prompt_tokens", pa.int32()),
+    pa.field("num_cached_tokens", pa.int32()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("error", pa.string()),
+]
+
+
+def write_atomic(table: pa.Table, path: Path) -> None:
+    """A reader sees the whole file or none of it, even if this process is killed mid-write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(table, staging)
+    with open(staging, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(staging, path)
+
+
+def done_ids(results_dir: Path, id_column: str) -> set:
+    """Ids already committed by earlier runs into this output folder."""
+    ids: set = set()
+    for part in sorted(results_dir.glob("part-*.parquet")):
+        ids.update(pq.read_table(part, columns=[id_column])[id_column].to_pylist())
+    return ids
+
+
+@dataclass
+class Outcome:
+    """What one input row produced."""
+
+    output_text: str
+    output_token_ids: list[int]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finish_reason: str
+    error: str | None
+
+
+class ResultWriter:
+    """Buffers finished rows and commits them as Parquet parts of bounded size or age."""
+
+    def __init__(self, results_dir: Path, shard_index: int, every_rows: int, every_seconds: float):
+        self.results_dir = results_dir
+        self.prefix = f"part-{shard_index:04d}-{time.time_ns():x}"
+        self.every_rows = every_rows
+        self.every_seconds = every_seconds
+        self.pending: list[tuple[pa.Table, int, Outcome]] = []
+        self.parts = 0
+        self.committed_rows = 0
+        self.last_commit = time.monotonic()
+
+    def add(self, rows: pa.Table, index: int, outcome: Outcome) -> None:
+        self.pending.append((rows, index, outcome))
+        if len(self.pending) >= self.every_rows or time.monotonic() - self.last_commit >= self.every_seconds:
+            self.commit()
+
+    def commit(self) -> None:
+        self.last_commit = time.monotonic()
+        if not self.pending:
+            return
+        pieces = []
+        by_table: dict[int, tuple[pa.Table, list[int], list[Outcome]]] = {}
+        for table, index, outcome in self.pending:
+            entry = by_table.setdefault(id(table), (table, [], []))
+            entry[1].append(index)
+            entry[2].append(outcome)
+        for table, indices, outcomes in by_table.values():
+            inputs = table.take(indices).drop_columns([c for c in INTERNAL if c in table.column_names])
+            for field in OUTPUT_FIELDS:
+                values = [getattr(o, field.name) for o in outcomes]
+                inputs = inputs.append_column(field, pa.array(values, type=field.type))
+            pieces.append(inputs)
+        write_atomic(pa.concat_tables(pieces), self.results_dir / f"{self.prefix}-{self.parts:05d}.parquet")
+        self.parts += 1
+        self.committed_rows += len(self.pending)
+        self.pending = []
+
+
+def write_records(records: list[dict], path: Path, schema: pa.Schema | None = None) -> None:
+    write_atomic(pa.Table.from_pylist(records, schema=schema), path)

@@ -1,0 +1,59 @@
+"""Shared fixtures: the shipped model converted once, loaded once per session, in float32 on the CPU."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: kernels run on the CPU
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def model_folder() -> Path:
+    """The shipped GGUF as an HF-format folder (converted once into the cache)."""
+    from batchprefill.model.loader import resolve_folder
+
+    return resolve_folder(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_folder):
+    from batchprefill.model.tokenizer import PromptTokenizer
+
+    return PromptTokenizer(model_folder)
+
+
+@pytest.fixture(scope="session")
+def loaded_model(model_folder):
+    """SmolLM2-135M on the torch path in float32: one load for the whole session."""
+    from batchprefill.kernels.ops import TorchOps
+    from batchprefill.model.loader import load_model
+
+    return load_model(model_folder, torch.float32, torch.device("cpu"), TorchOps())
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_folder):
+    """transformers' own Llama on the same GGUF: an implementation independent of ours."""
+    from batchprefill.model.loader import shipped_gguf
+
+    transformers = pytest.importorskip("transformers")
+    gguf = shipped_gguf()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def run_cli(args: list[str], cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
+    """Run a console script as a user would, returning the completed process."""
+    import subprocess
+
+    return subprocess.run(args, cwd=cwd or REPO, env={**os.environ, **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout)

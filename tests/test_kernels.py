@@ -1,0 +1,125 @@
+"""Every Triton kernel against the torch reference, under Triton's CPU interpreter.
+
+TRITON_INTERPRET=1 comes from tests/conftest.py. Shapes stay small: the interpreter costs about 15 ms per
+program and tile iteration, whatever the tile size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchprefill.kernels.ops import TorchOps, rope_cos_sin
+from batchprefill.kernels.synthetic import random_paged_batch
+from batchprefill.kernels.triton_ops import TritonOps
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # bf16: interpreter casts truncate
+
+
+@pytest.fixture(autouse=True)
+def poisoned_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh float buffers start as NaN, so a row a kernel forgot to write fails the comparison."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [None, torch.float16], ids=["same", "fp16-cache"])
+def test_store_kv(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> None:
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, head_dim, num_blocks, block_size = 11, 3, 48, 5, 4
+    key = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(tokens, heads, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[[2, 7]] = -1
+    shape = (num_blocks, block_size, heads, head_dim)
+    caches = [torch.full(shape, float("nan"), dtype=cache_dtype or dtype) for _ in range(4)]
+    TritonOps().store_kv(key, value, caches[0], caches[1], slots)
+    TorchOps().store_kv(key, value, caches[2], caches[3], slots)
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+        assert (~got.isnan()).all(-1).all(-1).sum() == tokens - 2  # skipped slots left untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(hidden)
+    x = (3 * torch.randn(2, 3, hidden, generator=gen)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    residual = torch.randn(2, 3, hidden, generator=gen).to(dtype) if with_residual else None
+    got, got_residual = TritonOps().rms_norm(x, weight, 1e-6, residual)
+    want, want_residual = TorchOps().rms_norm(x, weight, 1e-6, residual)
+    assert_close(got, want, dtype)
+    assert_close(got_residual, want_residual, dtype)
+    if not with_residual:
+        assert got_residual is x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 48, 64])
+def test_rope(dtype: torch.dtype, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim)
+    tokens, q_heads, kv_heads = 7, 6, 2
+    qkv = torch.randn(tokens, q_heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    query, key = qkv[:, :q_heads], qkv[:, q_heads : q_heads + kv_heads]  # strided views, as the model makes
+    positions = torch.randint(0, 300, (tokens,), generator=gen)
+    cos_sin = rope_cos_sin(head_dim, 300, 10000.0)
+    got_q, got_k = TritonOps().rope(query, key, positions, cos_sin)
+    want_q, want_k = TorchOps().rope(query, key, positions, cos_sin)
+    assert_close(got_q, want_q, dtype)
+    assert_close(got_k, want_k, dtype)
+
+
+# (sequences as (context, queries), q heads, kv heads, head dim, block size, TritonOps settings)
+ATTENTION_CASES = {
+    # 100 cached + 37 new: two 32-row tiles, the last one ragged; context ends mid-block
+    "ragged-chunk": ([(100, 37)], 6, 2, 64, 16, dict(block_m=32, block_n=32)),
+    # prefill chunks and decodes in one launch; 64-token KV tiles span four 16-token blocks
+    "mixed-batch": ([(40, 50), (0, 64), (77, 1), (130, 1)], 6, 2, 32, 16, dict(block_m=32, block_n=64)),
+    # 16-token KV tiles inside 64-token blocks; no GQA; head dim padded to 64
+    "small-tiles": ([(78, 20), (5, 3)], 4, 4, 48, 64, dict(block_m=16, block_n=16)),
+    "default-tiles": ([(0, 64), (150, 1)], 3, 1, 64, 16, dict()),
+    # decode only, split into 64-token segments of two 32-token tiles and merged
+    "decode-split": ([(255, 1), (90, 1), (3, 1)], 6, 2, 64, 16,
+                     dict(block_n=32, decode_min_segment=64, decode_target_programs=64)),
+    "decode-single-segment": ([(200, 1), (17, 1)], 6, 2, 64, 32, dict(block_n=32, decode_target_programs=1)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention(dtype: torch.dtype, case: str) -> None:
+    specs, q_heads, kv_heads, head_dim, block_size, settings = ATTENTION_CASES[case]
+    query, k_cache, v_cache, meta = random_paged_batch(
+        specs, q_heads, kv_heads, head_dim, block_size, dtype, seed=list(ATTENTION_CASES).index(case)
+    )
+    ops = TritonOps(**settings)
+    if case == "decode-split":
+        assert ops.decode_split(meta, kv_heads)[1] == 4
+    got = ops.attention(query, k_cache, v_cache, meta, head_dim**-0.5)
+    want = TorchOps().attention(query, k_cache, v_cache, meta, head_dim**-0.5)
+    assert_close(got, want, dtype)
+
+
+def test_decode_grid_sized_for_longer_contexts() -> None:
+    """Host lengths only size the grid: a launch planned for longer contexts (as a captured CUDA graph is)
+    still reads the true lengths from the device."""
+    query, k_cache, v_cache, meta = random_paged_batch([(120, 1), (9, 1)], 4, 2, 32, 16, torch.float32)
+    want = TorchOps().attention(query, k_cache, v_cache, meta, 0.2)
+    meta.seq_lens_host = [176, 176]
+    ops = TritonOps(block_n=16, decode_min_segment=16, decode_target_programs=64)
+    assert ops.decode_split(meta, 2)[1] == 11
+    assert_close(ops.attention(query, k_cache, v_cache, meta, 0.2), want, torch.float32)
