@@ -43,7 +43,7 @@ def hf_reference(model_folder):
     """transformers' own Llama on the same GGUF: an implementation independent of ours."""
     from batchprefill.model.loader import shipped_gguf
 
-    transformers = pytest.importorskip("transformers")
+    import transformers
     gguf = shipped_gguf()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
