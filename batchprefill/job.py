@@ -97,7 +97,8 @@ def run_job(cfg: DictConfig) -> dict:
     if not cfg.output.resume and any(results_dir.glob("part-*.parquet")):
         raise JobError(f"{results_dir} already holds results and output.resume=false: choose another output.dir")
     shards = assign_shards(prepared.manifest.partition_tokens, prepared.sharding.num_shards)
-    mine = shards[prepared.sharding.shard_index]
+    # A partition no row hashed into has no file: skip it rather than fail the shard that drew it.
+    mine = [p for p in shards[prepared.sharding.shard_index] if prepared.manifest.partition_rows[p]]
 
     device = resolve_device(cfg.engine.device)
     if device.type == "cpu" and cfg.engine.num_threads:

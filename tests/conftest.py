@@ -57,3 +57,31 @@ def run_cli(args: list[str], cwd: Path | None = None, env: dict | None = None, t
 
     return subprocess.run(args, cwd=cwd or REPO, env={**os.environ, **(env or {})}, capture_output=True,
                           text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def make_engine(loaded_model, tokenizer):
+    """An engine on the session's model; keyword arguments override EngineConfig fields."""
+    from batchprefill.engine.engine import Engine, EngineConfig
+
+    def build(**overrides):
+        config = EngineConfig(**{"num_blocks": 512, **overrides})
+        return Engine(loaded_model.model, config, tokenizer.decode, (loaded_model.identity, "float32"),
+                      torch.float32, torch.device("cpu"))
+
+    return build
+
+
+CHAT = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+QUESTIONS = [
+    "What is the capital of France?", "Name three colors.", "What is 2+2?", "Who wrote Hamlet?",
+    "Tell me a fun fact about cats.", "What is the largest planet?", "How many legs does a spider have?",
+    "What do bees make?", "Translate 'hello' into Spanish.", "What is the boiling point of water?",
+]
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(tokenizer) -> list[list[int]]:
+    """Ten chat-formatted questions sharing a system prompt: token ids."""
+    texts = [f"{CHAT}<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n" for q in QUESTIONS]
+    return tokenizer.encode_batch(texts)

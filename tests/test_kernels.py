@@ -123,3 +123,20 @@ def test_decode_grid_sized_for_longer_contexts() -> None:
     ops = TritonOps(block_n=16, decode_min_segment=16, decode_target_programs=64)
     assert ops.decode_split(meta, 2)[1] == 11
     assert_close(ops.attention(query, k_cache, v_cache, meta, 0.2), want, torch.float32)
+
+
+def test_one_ops_object_across_steps() -> None:
+    """The tile map is cached per step shape: a new batch on the same object must not reuse a stale one."""
+    ops = TritonOps(block_m=16, block_n=16)
+    for seed, specs in enumerate([[(30, 40)], [(0, 9), (50, 20)], [(30, 40)]]):
+        query, k_cache, v_cache, meta = random_paged_batch(specs, 2, 1, 32, 16, torch.float32, seed=seed)
+        want = TorchOps().attention(query, k_cache, v_cache, meta, 0.3)
+        assert_close(ops.attention(query, k_cache, v_cache, meta, 0.3), want, torch.float32)
+
+
+@pytest.mark.parametrize("specs", [[(60, 30)], [(60, 1), (7, 1)]], ids=["prefill", "decode"])
+def test_cache_dtype_differs_from_query(specs: list[tuple[int, int]]) -> None:
+    query, k_cache, v_cache, meta = random_paged_batch(specs, 4, 2, 32, 16, torch.float32)
+    k_cache, v_cache = k_cache.half(), v_cache.half()
+    want = TorchOps().attention(query, k_cache, v_cache, meta, 0.2)
+    assert_close(TritonOps().attention(query, k_cache, v_cache, meta, 0.2), want, torch.float32)

@@ -178,9 +178,9 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, query_start_ptr, seq_lens_ptr, segment_len, head_dim,
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_ptr, seq_lens_ptr, segment_len, num_segments, head_dim,
     stride_ot, stride_oh, stride_od,
-    NUM_SEGMENTS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Combine one head's segment outputs, each weighted by its share of the softmax mass (2^lse)."""
     seq = tl.program_id(0)
@@ -188,10 +188,10 @@ def _merge_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     row = tl.load(query_start_ptr + seq)
     segments = tl.arange(0, BLOCK_S)
-    seg_valid = segments < tl.minimum(tl.cdiv(seq_len, segment_len), NUM_SEGMENTS)
+    seg_valid = segments < tl.minimum(tl.cdiv(seq_len, segment_len), num_segments)
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < head_dim
-    slot = (seq * tl.num_programs(1) + head) * NUM_SEGMENTS + segments
+    slot = (seq * tl.num_programs(1) + head) * num_segments + segments
     lse = tl.load(part_lse_ptr + slot, mask=seg_valid, other=float("-inf"))
     parts = tl.load(part_out_ptr + slot[:, None] * BLOCK_D + dims[None, :],
                     mask=seg_valid[:, None] & dim_valid[None, :], other=0.0)
@@ -259,6 +259,6 @@ def decode_attention(
     )
     if split:
         _merge_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, query_start, seq_lens, segment_len, head_dim, *out.stride(),
-            NUM_SEGMENTS=num_segments, BLOCK_S=triton.next_power_of_2(num_segments), BLOCK_D=block_d,
+            part_out, part_lse, out, query_start, seq_lens, segment_len, num_segments, head_dim, *out.stride(),
+            BLOCK_S=triton.next_power_of_2(num_segments), BLOCK_D=block_d,
         )

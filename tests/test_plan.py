@@ -1,0 +1,140 @@
+"""`batchprefill-plan`: the cost model against the lesson's numbers, and the command end to end.
+
+The end-to-end checks recompute the ideal token count by brute force from the tokenizer, independently of
+`batchprefill.order`, so a slip in ordering, grouping or the one-token rule shows up as a wrong count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import run_cli
+
+from batchprefill.model.llama import ModelConfig
+from batchprefill.plan import PLAN_SCHEMA, attention_pairs, kv_bytes_per_token, prefill_flops, transfer_seconds
+
+BLOCK = 16
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SYSTEMS = [
+    "Alpha desk: you are a patient tutor who answers in plain words, citing the passage below and nothing else.",
+    "Beta desk: you are a terse analyst; reply with a single line taken from the text that follows, or 'none'.",
+]
+DOCUMENTS = [
+    "The river town grew around a stone bridge built in 1320, and its market still opens every Thursday.",
+    "Glaciers store about two thirds of the fresh water on Earth and move a few metres each day downhill.",
+    "The first public library of the city opened in 1851 with four thousand books and a single reading room.",
+]
+QUESTIONS = ["When was it built or opened?", "Give one number from the text."]
+
+
+def test_kv_bytes_per_token_matches_the_lesson() -> None:
+    assert kv_bytes_per_token(40, 8, 128, 2) == 163_840
+    assert kv_bytes_per_token(32, 8, 128, 2) == 128 * 1024
+
+
+def test_kv_transfer_of_a_4096_token_prompt() -> None:
+    total = 4096 * kv_bytes_per_token(40, 8, 128, 2)
+    assert total == 671_088_640 == 640 * 2**20
+    assert transfer_seconds(total, 200) == pytest.approx(0.02684, abs=1e-5)
+
+
+def test_attention_pairs_with_and_without_a_cached_prefix() -> None:
+    assert attention_pairs(2496, 3000 - 2496) == 1_385_244
+    assert attention_pairs(0, 3000) == 3000 * 3001 // 2 == 4_501_500
+
+
+def test_prefill_flops_adds_linear_and_attention_terms() -> None:
+    assert prefill_flops(10, 1000, 2, 4, 8, 55) == 2 * 10 * 1000 + 4 * 2 * 4 * 55 * 8
+    assert prefill_flops(0, 1000, 2, 4, 8, 0) == 0
+
+
+def _prompts() -> list[str]:
+    """Systems innermost, so neighbours in input order never share a block; one empty prompt at the end."""
+    return [f"{system}\n\n{document}\n\nQuestion: {question}" for question in QUESTIONS for document in DOCUMENTS
+            for system in SYSTEMS] + [""]
+
+
+def _brute_force_ideal(token_ids: list[list[int]]) -> int:
+    """In sorted order: each prompt computes all but the full blocks it shares with any earlier prompt."""
+    ordered = sorted(token_ids)
+    computed = 0
+    for i, ids in enumerate(ordered):
+        common = max((_common_prefix(ids, earlier) for earlier in ordered[:i]), default=0)
+        reused = min(common // BLOCK, (len(ids) - 1) // BLOCK) * BLOCK
+        computed += len(ids) - reused
+    return computed
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    length = 0
+    while length < min(len(a), len(b)) and a[length] == b[length]:
+        length += 1
+    return length
+
+
+def _plan(tmp_path: Path, name: str, *overrides: str) -> dict:
+    data = tmp_path / "prompts.parquet"
+    if not data.exists():
+        pq.write_table(pa.table({"prompt": _prompts()}), data)
+    out = tmp_path / name
+    result = run_cli(["batchprefill-plan", f"data.input={data}", f"output.dir={out}", "output.progress=false",
+                      "engine.kv_cache_dtype=float16", *overrides], timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "prompt tokens to compute" in result.stdout
+    table = pq.read_table(out / "plan.parquet")
+    assert table.schema.names == PLAN_SCHEMA.names
+    assert table.num_rows == 1
+    png = (out / "plan.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
+    return table.to_pylist()[0]
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory, model_folder) -> tuple[dict, dict]:
+    """One plan in prefix order and one in input order over the same small dataset."""
+    tmp_path = tmp_path_factory.mktemp("plan")
+    return _plan(tmp_path, "prefix"), _plan(tmp_path, "input", "data.order=input")
+
+
+def test_plan_counts_requests_groups_and_ideal_tokens(plans, tokenizer) -> None:
+    prefix, _ = plans
+    token_ids = tokenizer.encode_batch(_prompts()[:-1])
+    assert min(len(ids) for ids in token_ids) > 3 * BLOCK  # every system prompt spans full blocks
+    assert prefix["requests"] == 12 and prefix["error_rows"] == 1
+    assert prefix["prompt_tokens"] == prefix["computed_tokens_without_reuse"] == sum(map(len, token_ids))
+    assert prefix["groups"] == 2 and prefix["largest_group"] == 6
+    assert prefix["ideal_computed_tokens"] == _brute_force_ideal(token_ids)
+    assert prefix["ideal_computed_tokens"] < prefix["prompt_tokens"]
+
+
+def test_plan_costs_follow_the_model(plans, tokenizer, model_folder) -> None:
+    prefix, _ = plans
+    model = ModelConfig.from_folder(model_folder)
+    lengths = [len(ids) for ids in tokenizer.encode_batch(_prompts()[:-1])]
+    without = prefill_flops(sum(lengths), model.num_parameters(), model.num_layers, model.num_heads,
+                            model.head_dim, sum(attention_pairs(0, n) for n in lengths))
+    assert prefix["prefill_flops_without_reuse"] == pytest.approx(without, rel=1e-12)
+    assert prefix["prefill_flops_with_reuse"] < prefix["prefill_flops_without_reuse"]
+    per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, 2)
+    assert prefix["kv_bytes_per_token"] == per_token
+    assert prefix["kv_bytes_total"] == sum(lengths) * per_token
+    assert prefix["kv_transfer_seconds_mean"] == pytest.approx(sum(lengths) * per_token / 12 / 12.5e9)
+
+
+def test_input_order_reuses_only_what_neighbours_share(plans) -> None:
+    prefix, baseline = plans
+    assert baseline["requests"] == prefix["requests"]
+    assert baseline["ideal_computed_tokens"] == baseline["prompt_tokens"] > prefix["ideal_computed_tokens"]
+    assert baseline["groups"] == 12 and baseline["largest_group"] == 1
+
+
+def test_missing_input_is_one_line_naming_data_input(tmp_path) -> None:
+    result = run_cli(["batchprefill-plan", f"data.input={tmp_path / 'absent.parquet'}",
+                      f"output.dir={tmp_path / 'out'}"], timeout=120)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "data.input" in lines[0], result.stderr
+    assert not (tmp_path / "out" / "plan.parquet").exists()
