@@ -105,13 +105,16 @@ def run_job(cfg: DictConfig) -> dict:
         torch.set_num_threads(int(cfg.engine.num_threads))
     dtype = resolve_dtype(cfg.model.dtype, device)
     kv_dtype = resolve_dtype(cfg.engine.kv_cache_dtype, device) if cfg.engine.kv_cache_dtype != "auto" else dtype
-    loaded = load_model(prepared.folder, dtype, device, make_ops(cfg.engine.attention_backend, device))
+    ops = make_ops(cfg.engine.attention_backend, device)
+    loaded = load_model(prepared.folder, dtype, device, ops)
+    graphs = cfg.engine.cuda_graphs and device.type == "cuda" and ops.graph_safe_decode
     engine_config = EngineConfig(
         block_size=int(cfg.engine.block_size), max_batched_tokens=int(cfg.engine.max_batched_tokens),
         max_num_seqs=int(cfg.engine.max_num_seqs),
         num_blocks=_num_blocks(cfg, prepared.model_config, kv_dtype, device,
                                _tokens_needed(prepared, mine, params.max_tokens)),
         prefix_caching=bool(cfg.engine.prefix_caching), cache_namespace=str(cfg.engine.cache_namespace),
+        padded_decode="graphs" if graphs else "off",
     )
     scope = (loaded.identity, str(dtype), str(kv_dtype), prepared.model_config.rope_theta,
              repr(prepared.model_config.rope_scaling), engine_config.block_size, cfg.model.adapter)

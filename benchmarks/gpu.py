@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import json
 import os
 import sys
@@ -25,6 +24,7 @@ if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is fir
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import gpu_e2e  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
@@ -236,15 +236,6 @@ def write_results(path: Path, results: dict) -> None:
     print(f"\nwrote {path}")
 
 
-def end_to_end(args: argparse.Namespace) -> None:
-    """Engine throughput, owned by the engine side: `benchmarks/gpu_e2e.py` provides `run(args)`."""
-    if importlib.util.find_spec("batchprefill.engine.llm") is None:
-        print("end-to-end: see batchprefill engine")
-        return
-    if importlib.util.find_spec("benchmarks.gpu_e2e") is not None:
-        importlib.import_module("benchmarks.gpu_e2e").run(args)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/gpu_results.json"),
@@ -273,13 +264,13 @@ def main() -> None:
     decode = bench_decode(plan, device, dtype, ceilings)
     print_table("decode attention (CUDA graph replay; GB/s counts K and V bytes read)", decode)
     goals = judge_goals(prefill, decode)
+    end_to_end = gpu_e2e.run(args.smoke, device)
     write_results(args.out, {
         "device": name, "torch": torch.__version__, "triton": triton.__version__,
         "shape": {"heads": plan.heads, "kv_heads": plan.kv_heads, "head_dim": plan.head_dim,
                   "block_size": plan.block_size, "dtype": str(dtype)},
-        "ceilings": ceilings, "prefill": prefill, "decode": decode, "goals": goals,
+        "ceilings": ceilings, "prefill": prefill, "decode": decode, "goals": goals, "end_to_end": end_to_end,
     })
-    end_to_end(args)
     print(f"total {time.time() - start:.0f} s")
 
 

@@ -24,6 +24,7 @@ class EngineConfig:
     num_blocks: int = 1024
     prefix_caching: bool = True
     cache_namespace: str = "default"
+    padded_decode: str = "off"  # "graphs" on CUDA: decode-only steps replay captured CUDA graphs
 
 
 @dataclass
@@ -57,7 +58,8 @@ class Engine:
         self.root_keys: dict[str, bytes] = {}
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_batched_tokens, config.max_num_seqs,
                                    config.prefix_caching, self.root_keys)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, kv_dtype, device)
+        self.runner = ModelRunner(model, config.num_blocks, config.block_size, kv_dtype, device,
+                                  config.padded_decode, config.max_num_seqs)
         self.counters = EngineCounters()
 
     def add(self, request: Request) -> None:

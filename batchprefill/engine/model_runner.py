@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from batchprefill.engine.decode_graphs import PaddedDecode
 from batchprefill.engine.scheduler import Step
 from batchprefill.kernels.ops import AttentionMetadata
 from batchprefill.model.llama import LlamaModel
@@ -12,7 +13,8 @@ from batchprefill.model.llama import LlamaModel
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, padded_decode: str = "off", max_num_seqs: int = 256):
+        """`padded_decode`: "off", "eager" (fixed padded buffers, no capture: for tests) or "graphs" (CUDA)."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -22,6 +24,10 @@ class ModelRunner:
             (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
+        self.decoder = None
+        if padded_decode != "off":
+            self.decoder = PaddedDecode(model, self.kv_caches, block_size, max_num_seqs, device,
+                                        capture=padded_decode == "graphs")
 
     def run(self, step: Step) -> tuple[torch.Tensor, list[int]]:
         """Logits for every chunk that reaches the end of its known tokens, and those chunks' indices."""
@@ -40,6 +46,10 @@ class ModelRunner:
             tables.append(table)
             if start + count == request.num_tokens:
                 sampled.append(index)
+        if self.decoder and len(sampled) == len(ids) and self.decoder.fits(len(ids)):
+            logits = self.decoder.run(ids, np.concatenate(positions).tolist(), np.concatenate(slots).tolist(),
+                                      seq_lens, [t.tolist() for t in tables])
+            return logits, sampled
         width = max(len(t) for t in tables)
         block_tables = np.zeros((len(tables), width), dtype=np.int32)
         for row, table in enumerate(tables):

@@ -42,6 +42,8 @@ class AttentionMetadata:
 class Ops(Protocol):
     """What a compute backend provides to the model."""
 
+    graph_safe_decode: bool  # a decode-only step launches fixed grids with no host sync: CUDA graphs can replay it
+
     def store_kv(
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
@@ -99,6 +101,8 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 class TorchOps:
     """Plain torch ops: the CPU path and the reference for the kernels."""
+
+    graph_safe_decode = False  # its batched decode builds index tensors on the host
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         keep = slot_mapping >= 0

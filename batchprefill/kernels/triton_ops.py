@@ -22,6 +22,8 @@ class TritonOps:
     waits on the device. Tile sizes may be fixed for tests; by default they follow the batch shape.
     """
 
+    graph_safe_decode = True  # decode grids depend only on the batch size and the planned longest context
+
     def __init__(self, block_m: int | None = None, block_n: int | None = None,
                  decode_min_segment: int = 256, decode_target_programs: int | None = None) -> None:
         self.block_m = block_m
