@@ -63,5 +63,6 @@ def check_columns(schema: pa.Schema, columns: Columns) -> None:
             raise JobError(f"data.{key}={name!r} is not a column of the input (columns: {', '.join(schema.names)})")
 
 
-def record_batches(dataset: pads.Dataset, rows: int) -> Iterator[pa.RecordBatch]:
-    yield from dataset.to_batches(batch_size=rows)
+def record_batches(dataset: pads.Dataset, rows: int, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
+    """Batches of at most `rows` rows, with read-ahead kept to two batches so memory does not follow the input."""
+    yield from dataset.to_batches(columns=columns, batch_size=rows, batch_readahead=2, fragment_readahead=1)

@@ -4,23 +4,30 @@ With `data.order=prefix`, a row's partition is a hash of its namespace and first
 prompts that share any block always land together and each partition can be sorted on its own; with
 `data.order=input` partitions are contiguous ranges of rows. Partitions are Parquet files under the
 output folder, written once and reused by every shard and every resumed run.
+
+Memory is bounded whatever the input's size: one record batch is tokenized at a time, rows wait for
+their partition file in buffers with a fixed total, and partitions are made small enough that the
+largest, read back and ordered, fits `data.buffer_mb`.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import json
 import math
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
@@ -30,7 +37,17 @@ from batchprefill.model.tokenizer import PromptTokenizer
 
 ROW, TOKENS, ERROR, NAMESPACE = "_bp_row", "_bp_tokens", "_bp_error", "_bp_namespace"
 INTERNAL = (ROW, TOKENS, ERROR, NAMESPACE)
-SPILL_EXPANSION = 4  # bytes in memory per byte of Parquet on disk, roughly, once tokens are added
+# Peak memory while one partition is read back and ordered, per byte of its Arrow table: the table, the
+# sort key (a copy of the token ids), the table taken in run order, and the comparison scratch.
+RUN_EXPANSION = 3
+# Partitions are aimed at this size even when the buffer allows more: smaller ones lose no cache hits
+# (a prefix group never spans two) and let shards balance; hash skew can make one several times larger.
+PARTITION_TARGET_BYTES = 64 << 20
+SPILL_BUFFER_SHARE = 8  # rows waiting for their partition file hold at most data.buffer_mb / 8 in all
+ENCODE_ROWS = 1024  # rows per tokenizer call: enough to keep every core busy, few enough to bound its output
+
+PARTITION_SCHEMA = pa.schema([("partition", pa.int64()), ("rows", pa.int64()), ("prompt_tokens", pa.int64()),
+                              ("bytes", pa.int64()), ("shard", pa.int64())])
 
 
 @dataclass(frozen=True)
@@ -43,6 +60,7 @@ class PrepareSettings:
     tokenizer_id: str
     read_batch_rows: int
     buffer_mb: int
+    min_partitions: int = 1  # e.g. a few per shard, so that shards balance; not part of the fingerprint
 
 
 @dataclass
@@ -51,6 +69,7 @@ class Manifest:
     num_rows: int
     partition_rows: list[int]
     partition_tokens: list[int]
+    partition_bytes: list[int] = field(default_factory=list)  # Arrow bytes of each partition once read back
 
     @property
     def num_partitions(self) -> int:
@@ -59,6 +78,15 @@ class Manifest:
 
 def partition_path(folder: Path, index: int) -> Path:
     return folder / f"part-{index:05d}.parquet"
+
+
+def partition_records(manifest: Manifest, shards: list[list[int]]) -> list[dict]:
+    """One row per partition for `stats/partitions.parquet` (PARTITION_SCHEMA): its size and its shard."""
+    shard_of = {part: shard for shard, parts in enumerate(shards) for part in parts}
+    sizes = manifest.partition_bytes or [None] * manifest.num_partitions
+    return [{"partition": part, "rows": rows, "prompt_tokens": tokens, "bytes": size, "shard": shard_of[part]}
+            for part, (rows, tokens, size) in enumerate(zip(manifest.partition_rows, manifest.partition_tokens,
+                                                           sizes))]
 
 
 def prepare(files: list[Path], fmt: str, settings: PrepareSettings, tokenizer: PromptTokenizer,
@@ -94,7 +122,9 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _fingerprint(files: list[Path], settings: PrepareSettings) -> str:
-    digest = hashlib.sha256(json.dumps(asdict(settings), sort_keys=True, default=str).encode())
+    """What the partitions' content depends on; how many there are is left out, as any count serves any job."""
+    recipe = {key: value for key, value in asdict(settings).items() if key != "min_partitions"}
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode())
     for file in files:
         stat = file.stat()
         digest.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -106,33 +136,48 @@ def _spill(files, fmt, settings: PrepareSettings, tokenizer, staging: Path, fing
     dataset = open_dataset(files, fmt)
     check_columns(dataset.schema, settings.columns)
     num_rows = dataset.count_rows()
-    input_bytes = sum(f.stat().st_size for f in files)
-    num_partitions = max(1, math.ceil(input_bytes * SPILL_EXPANSION / (settings.buffer_mb << 20)))
-    rows = [0] * num_partitions
-    tokens = [0] * num_partitions
-    writers: dict[int, pq.ParquetWriter] = {}
-    offset = 0
+    if num_rows == 0:
+        raise JobError("the input has no rows")
+    batches = record_batches(dataset, settings.read_batch_rows)
+    first = next(batches)
+    first_table = _tokenized(first, 0, settings, tokenizer)
+    expected_bytes = first_table.nbytes * _input_bytes(dataset, settings) / max(first.nbytes, 1)
+    num_partitions = _num_partitions(expected_bytes, settings)
+    files_out = _PartitionFiles(staging, num_partitions, (settings.buffer_mb << 20) // SPILL_BUFFER_SHARE)
     bar = tqdm(total=num_rows, desc="tokenize", unit="row", disable=not progress)
+    offset = 0
     try:
-        for batch in record_batches(dataset, settings.read_batch_rows):
-            table = _tokenized(batch, offset, settings, tokenizer)
-            parts = _partition_of(table, num_partitions, num_rows, settings)
-            for part in np.unique(parts):
-                chosen = table.filter(pa.array(parts == part))
-                if part not in writers:
-                    writers[part] = pq.ParquetWriter(partition_path(staging, int(part)), chosen.schema)
-                writers[part].write_table(chosen)
-                rows[part] += chosen.num_rows
-                tokens[part] += int(pc.sum(pc.list_value_length(chosen[TOKENS])).as_py() or 0)
-            offset += batch.num_rows
-            bar.update(batch.num_rows)
+        for batch in itertools.chain([None], batches):
+            table = first_table if batch is None else _tokenized(batch, offset, settings, tokenizer)
+            files_out.add(table, _partition_of(table, num_partitions, num_rows, settings))
+            offset += table.num_rows
+            bar.update(table.num_rows)
+        files_out.finish()
     finally:
         bar.close()
-        for writer in writers.values():
-            writer.close()
-    if offset == 0:
-        raise JobError("the input has no rows")
-    return Manifest(fingerprint, offset, rows, tokens)
+        files_out.close()
+    _warn_oversized(files_out.bytes, settings.buffer_mb)
+    return Manifest(fingerprint, offset, files_out.rows, files_out.tokens, files_out.bytes)
+
+
+def _input_bytes(dataset: pads.Dataset, settings: PrepareSettings) -> int:
+    """Arrow bytes of the whole input, from one streaming pass that decodes without tokenizing (cheap)."""
+    return sum(batch.nbytes for batch in record_batches(dataset, settings.read_batch_rows))
+
+
+def _num_partitions(expected_bytes: float, settings: PrepareSettings) -> int:
+    """Enough partitions that a typical one, ordered in memory, takes a fraction of data.buffer_mb."""
+    target = min(PARTITION_TARGET_BYTES, (settings.buffer_mb << 20) / RUN_EXPANSION)
+    return max(settings.min_partitions, math.ceil(expected_bytes / target))
+
+
+def _warn_oversized(partition_bytes: list[int], buffer_mb: int) -> None:
+    """A prefix group is never split, so one first block shared by most of the data makes a large partition."""
+    largest = max(partition_bytes, default=0)
+    if largest * RUN_EXPANSION > buffer_mb << 20:
+        print(f"batchprefill: warning: partition {partition_bytes.index(largest)} holds {largest >> 20} MB of "
+              f"prompts that share their first block; ordering it needs about {largest * RUN_EXPANSION >> 20} MB, "
+              f"more than data.buffer_mb={buffer_mb}", file=sys.stderr)
 
 
 def _tokenized(batch: pa.RecordBatch, offset: int, settings: PrepareSettings, tokenizer) -> pa.Table:
@@ -142,33 +187,36 @@ def _tokenized(batch: pa.RecordBatch, offset: int, settings: PrepareSettings, to
     row_numbers = np.arange(offset, offset + batch.num_rows, dtype=np.int64)
     if columns.id not in table.column_names:
         table = table.append_column(columns.id, pa.array(row_numbers))
+    texts, errors = _texts(table, settings, tokenizer)
+    tokens = _token_column(texts, errors, settings.max_prompt_tokens, tokenizer)
+    if columns.namespace:
+        namespaces = pc.fill_null(pc.cast(table[columns.namespace], pa.string()), "")
+    else:
+        namespaces = pa.array(np.full(batch.num_rows, ""), pa.string())
+    return (table.append_column(ROW, pa.array(row_numbers))
+            .append_column(TOKENS, tokens)
+            .append_column(ERROR, pa.array(errors, type=pa.string()))
+            .append_column(NAMESPACE, namespaces))
+
+
+def _texts(table: pa.Table, settings: PrepareSettings, tokenizer) -> tuple[list[str], list[str | None]]:
+    """The text to tokenize per row (empty for rows already in error) and each row's error so far."""
+    columns = settings.columns
     prompts = table[columns.prompt].to_pylist()
+    errors = [_prompt_error(prompt) for prompt in prompts]
+    if not settings.chat_template:
+        return [prompt if error is None else "" for prompt, error in zip(prompts, errors)], errors
     systems = table[columns.system].to_pylist() if columns.system else [None] * len(prompts)
-    namespaces = table[columns.namespace].to_pylist() if columns.namespace else [None] * len(prompts)
-    errors: list[str | None] = [None] * len(prompts)
-    texts: list[str] = []
+    texts = []
     for i, (prompt, system) in enumerate(zip(prompts, systems)):
-        errors[i] = _prompt_error(prompt)
-        text = "" if errors[i] else prompt
-        if not errors[i] and settings.chat_template:
+        text = ""
+        if errors[i] is None:
             try:
                 text = tokenizer.apply_chat_template(prompt, system if isinstance(system, str) else None)
             except Exception as error:  # noqa: BLE001 - a template failure belongs to this row alone
-                errors[i], text = f"chat template failed: {error}", ""
+                errors[i] = f"chat template failed: {error}"
         texts.append(text)
-    token_ids = tokenizer.encode_batch(texts)
-    for i, ids in enumerate(token_ids):
-        if errors[i] is None and not ids:
-            errors[i] = "prompt tokenizes to no tokens"
-        elif errors[i] is None and len(ids) > settings.max_prompt_tokens:
-            errors[i] = (f"prompt has {len(ids)} tokens; at most {settings.max_prompt_tokens} fit "
-                         "(model context minus sampling.max_tokens)")
-        if errors[i] is not None:
-            token_ids[i] = []
-    return (table.append_column(ROW, pa.array(row_numbers))
-            .append_column(TOKENS, pa.array(token_ids, type=pa.list_(pa.int32())))
-            .append_column(ERROR, pa.array(errors, type=pa.string()))
-            .append_column(NAMESPACE, pa.array(["" if n is None else str(n) for n in namespaces], type=pa.string())))
+    return texts, errors
 
 
 def _prompt_error(prompt) -> str | None:
@@ -176,9 +224,33 @@ def _prompt_error(prompt) -> str | None:
         return "prompt is null"
     if not isinstance(prompt, str):
         return f"prompt is a {type(prompt).__name__}, not a string"
-    if not prompt.strip():
+    if not prompt or prompt.isspace():
         return "prompt is empty or whitespace only"
     return None
+
+
+def _token_column(texts: list[str], errors: list[str | None], limit: int, tokenizer) -> pa.ListArray:
+    """Token ids as one Arrow list column; rows that tokenize to nothing or to more than `limit` tokens become
+    errors, and error rows get no tokens.
+
+    The tokenizer's output (an object per row, Python ints per token: about 100 bytes a token) lives for
+    ENCODE_ROWS rows at a time, flattened into numpy at once, so it does not multiply a large read batch.
+    """
+    lengths, values = [], []
+    for start in range(0, len(texts), ENCODE_ROWS):
+        token_ids = tokenizer.encode_batch(texts[start : start + ENCODE_ROWS])
+        counts = np.fromiter(map(len, token_ids), np.int64, len(token_ids))
+        for i in np.flatnonzero((counts == 0) | (counts > limit)):
+            if errors[start + i] is None:
+                errors[start + i] = "prompt tokenizes to no tokens" if counts[i] == 0 else (
+                    f"prompt has {counts[i]} tokens; at most {limit} fit (model context minus sampling.max_tokens)")
+        keep = np.fromiter((error is None for error in errors[start : start + len(token_ids)]), bool)
+        counts[~keep] = 0
+        kept = itertools.compress(token_ids, keep)
+        values.append(np.fromiter(itertools.chain.from_iterable(kept), np.int32, int(counts.sum())))
+        lengths.append(counts)
+    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(values)))
 
 
 def _partition_of(table: pa.Table, num_partitions: int, num_rows: int, settings: PrepareSettings) -> np.ndarray:
@@ -187,10 +259,97 @@ def _partition_of(table: pa.Table, num_partitions: int, num_rows: int, settings:
         return np.zeros(len(rows), dtype=np.int64)
     if settings.order == "input":
         return rows * num_partitions // max(num_rows, 1)
-    size = settings.block_size
-    parts = np.empty(len(rows), dtype=np.int64)
-    for i, (ids, namespace) in enumerate(zip(table[TOKENS].to_pylist(), table[NAMESPACE].to_pylist())):
-        key = ids[:size] if len(ids) >= size else ids  # with no full block it shares nothing: anywhere
-        digest = hashlib.blake2b(namespace.encode() + np.asarray(key, np.int32).tobytes(), digest_size=8)
-        parts[i] = int.from_bytes(digest.digest(), "little") % num_partitions
-    return parts
+    return (_first_block_hash(table, settings.block_size) % np.uint64(num_partitions)).astype(np.int64)
+
+
+_FNV_PRIME = np.uint64(0x100000001B3)
+_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
+
+
+def _first_block_hash(table: pa.Table, block_size: int) -> np.ndarray:
+    """A 64-bit hash per row of (namespace, first full block), computed for the whole batch at once.
+
+    A row with no full block shares no cached block with anyone, so it is spread by its row number instead.
+    """
+    tokens = table[TOKENS].combine_chunks()
+    offsets = tokens.offsets.to_numpy().astype(np.int64)
+    values = tokens.values.to_numpy()
+    full = np.diff(offsets) >= block_size
+    hashes = table[ROW].to_numpy().astype(np.uint64)
+    block = values[offsets[:-1][full, None] + np.arange(block_size)].astype(np.uint64)
+    keyed = np.full(len(block), _FNV_OFFSET) ^ _namespace_hashes(table[NAMESPACE])[full]
+    for column in block.T:
+        keyed = (keyed ^ column) * _FNV_PRIME
+    hashes[full] = keyed
+    return _mix(hashes)
+
+
+def _namespace_hashes(namespaces: pa.ChunkedArray) -> np.ndarray:
+    """A stable 64-bit hash per row of its namespace; only the distinct names are hashed in Python."""
+    encoded = pc.dictionary_encode(namespaces.combine_chunks())
+    names = np.array([int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+                      for name in encoded.dictionary.to_pylist()], dtype=np.uint64)
+    return names[encoded.indices.to_numpy(zero_copy_only=False)]
+
+
+def _mix(values: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: every input bit reaches the low bits that `% num_partitions` keeps."""
+    values = values ^ (values >> np.uint64(30))
+    values = values * np.uint64(0xBF58476D1CE4E5B9)
+    values = values ^ (values >> np.uint64(27))
+    values = values * np.uint64(0x94D049BB133111EB)
+    return values ^ (values >> np.uint64(31))
+
+
+class _PartitionFiles:
+    """Rows to their partitions' Parquet files, through buffers that together stay under `budget` bytes.
+
+    Every Parquet write makes a row group, so writing each batch's share at once would make row groups of a
+    few rows; a partition's rows wait until it holds budget / partitions bytes, then go out in one write.
+    Every partition gets a file, an empty one if no row hashes to it, so readers need not check.
+    """
+
+    def __init__(self, folder: Path, count: int, budget: int):
+        self.folder = folder
+        self.limit = max(1, budget // count)
+        self.rows = [0] * count
+        self.tokens = [0] * count
+        self.bytes = [0] * count
+        self.pending: list[list[pa.Table]] = [[] for _ in range(count)]
+        self.pending_bytes = [0] * count
+        self.writers: dict[int, pq.ParquetWriter] = {}
+        self.schema: pa.Schema | None = None
+
+    def add(self, table: pa.Table, parts: np.ndarray) -> None:
+        self.schema = table.schema
+        order = np.argsort(parts, kind="stable")
+        bounds = np.searchsorted(parts[order], np.arange(len(self.rows) + 1))
+        lengths = pc.list_value_length(table[TOKENS]).to_numpy(zero_copy_only=False)
+        tokens = np.bincount(parts, weights=lengths, minlength=len(self.rows))
+        for part in np.flatnonzero(np.diff(bounds)):
+            piece = table.take(order[bounds[part] : bounds[part + 1]])  # a compact copy: the batch can go
+            self.pending[part].append(piece)
+            self.pending_bytes[part] += piece.nbytes
+            self.rows[part] += piece.num_rows
+            self.tokens[part] += int(tokens[part])
+            self.bytes[part] += piece.nbytes
+            if self.pending_bytes[part] >= self.limit:
+                self._flush(int(part))
+
+    def _flush(self, part: int) -> None:
+        table = pa.concat_tables(self.pending[part]) if self.pending[part] else self.schema.empty_table()
+        if part not in self.writers:
+            self.writers[part] = pq.ParquetWriter(partition_path(self.folder, part), table.schema)
+        self.writers[part].write_table(table)
+        self.pending[part] = []
+        self.pending_bytes[part] = 0
+
+    def finish(self) -> None:
+        """Write what still waits, and an empty file for every partition no row went to."""
+        for part in range(len(self.rows)):
+            if self.pending[part] or part not in self.writers:
+                self._flush(part)
+
+    def close(self) -> None:
+        for writer in self.writers.values():
+            writer.close()

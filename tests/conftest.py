@@ -41,9 +41,9 @@ def loaded_model(model_folder):
 @pytest.fixture(scope="session")
 def hf_reference(model_folder):
     """transformers' own Llama on the same GGUF: an implementation independent of ours."""
-    from batchprefill.model.loader import shipped_gguf
-
     import transformers
+
+    from batchprefill.model.loader import shipped_gguf
     gguf = shipped_gguf()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
