@@ -19,6 +19,7 @@ from batchprefill.dataset import resolve_input
 from batchprefill.engine.engine import Engine, EngineConfig
 from batchprefill.engine.request import Request
 from batchprefill.errors import JobError
+from batchprefill.malloc import keep_freed_memory
 from batchprefill.model.llama import ModelConfig
 from batchprefill.model.loader import (
     load_model,
@@ -30,7 +31,19 @@ from batchprefill.model.loader import (
 )
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.order import Group, assign_shards, groups, prefix_order
-from batchprefill.prepare import ERROR, NAMESPACE, ROW, TOKENS, Manifest, PrepareSettings, partition_path, prepare
+from batchprefill.prepare import (
+    ERROR,
+    NAMESPACE,
+    PARTITION_SCHEMA,
+    PARTITIONS_PER_SHARD,
+    ROW,
+    TOKENS,
+    Manifest,
+    PrepareSettings,
+    partition_path,
+    partition_records,
+    prepare,
+)
 from batchprefill.writer import Outcome, ResultWriter, done_ids, write_records
 
 CPU_KV_MEMORY_FRACTION = 0.25
@@ -78,7 +91,7 @@ def prepare_job(cfg: DictConfig) -> Prepared:
         block_size=int(cfg.engine.block_size),
         max_prompt_tokens=model_config.max_positions - params.max_tokens,
         tokenizer_id=model_identity(folder), read_batch_rows=int(cfg.data.read_batch_rows),
-        buffer_mb=int(cfg.data.buffer_mb),
+        buffer_mb=int(cfg.data.buffer_mb), min_partitions=PARTITIONS_PER_SHARD * sharding.num_shards,
     )
     partitions_dir = settings.output_dir(cfg) / "partitions"
     manifest = prepare(files, fmt, prepare_settings, tokenizer, partitions_dir, bool(cfg.output.progress))
@@ -97,10 +110,12 @@ def run_job(cfg: DictConfig) -> dict:
     if not cfg.output.resume and any(results_dir.glob("part-*.parquet")):
         raise JobError(f"{results_dir} already holds results and output.resume=false: choose another output.dir")
     shards = assign_shards(prepared.manifest.partition_tokens, prepared.sharding.num_shards)
-    # A partition no row hashed into has no file: skip it rather than fail the shard that drew it.
+    write_records(partition_records(prepared.manifest, shards), out / "stats" / "partitions.parquet", PARTITION_SCHEMA)
+    # An empty partition has nothing to run.
     mine = [p for p in shards[prepared.sharding.shard_index] if prepared.manifest.partition_rows[p]]
 
     device = resolve_device(cfg.engine.device)
+    keep_freed_memory()
     if device.type == "cpu" and cfg.engine.num_threads:
         torch.set_num_threads(int(cfg.engine.num_threads))
     dtype = resolve_dtype(cfg.model.dtype, device)
@@ -126,11 +141,34 @@ def run_job(cfg: DictConfig) -> dict:
     total_rows = sum(prepared.manifest.partition_rows[p] for p in mine)
     bar = tqdm(total=total_rows, desc="generate", unit="req", disable=not cfg.output.progress)
     interrupted = _trap_sigterm()
-    try:
+    owners: dict[int, PartitionRun] = {}  # request id -> the partition it came from
+
+    def feed():
+        """Requests of every partition in turn: the next partition starts while the last one drains."""
         for part in mine:
-            _run_partition(cfg, part, prepared, engine, writer, totals, params, skip,
-                           bar, interrupted)
-            writer.commit()
+            run = _load_partition(cfg, part, prepared, params, skip)
+            for index, message in run.errors:
+                writer.add(run.table, index, Outcome("", [], 0, 0, "error", message))
+                totals.num_requests += 1
+                totals.num_errors += 1
+                bar.update(1)
+            if not run.requests:
+                continue
+            for request in run.requests:
+                if interrupted[0]:
+                    raise Interrupted
+                owners[request.request_id] = run
+                yield request
+
+    try:
+        for request in engine.generate(feed(), lookahead=2 * int(cfg.engine.max_num_seqs)):
+            _record(owners.pop(request.request_id), request, writer, totals)
+            bar.update(1)
+            if totals.prompt_tokens:
+                bar.set_postfix(hit=f"{totals.cached_tokens / totals.prompt_tokens:.1%}", refresh=False)
+            if interrupted[0]:
+                raise Interrupted
+        writer.commit()
     except Interrupted:
         writer.commit()
         bar.close()
@@ -183,20 +221,26 @@ def _available_memory() -> int:
     return 4 << 30
 
 
-def _run_partition(cfg, part: int, prepared: Prepared, engine: Engine, writer: ResultWriter, totals: JobTotals,
-                   params, skip: set, bar, interrupted: list[bool]) -> None:
+@dataclass
+class PartitionRun:
+    """One partition in flight: its rows (kept until its last request is written) and its requests."""
+
+    part: int
+    table: pa.Table
+    errors: list[tuple[int, str]]  # (row of table, message) of rows that never reach the engine
+    requests: list[Request]  # in run order
+    groups: list[Group]
+    position: dict[int, int]  # request id -> row of table
+    unfinished: int
+
+
+def _load_partition(cfg, part: int, prepared: Prepared, params, skip: set) -> PartitionRun:
+    """Read one partition, drop rows already done, order the rest and turn them into requests."""
     table = pq.read_table(partition_path(prepared.partitions_dir, part))
-    id_column = cfg.data.id_column
     if skip:
-        table = table.filter(pa.array([i not in skip for i in table[id_column].to_pylist()]))
-    errors = table[ERROR].to_pylist()
-    for index, message in enumerate(errors):
-        if message is not None:
-            writer.add(table, index, Outcome("", [], 0, 0, "error", message))
-            totals.num_requests += 1
-            totals.num_errors += 1
-            bar.update(1)
-    valid = [i for i, message in enumerate(errors) if message is None]
+        table = table.filter(pa.array([i not in skip for i in table[cfg.data.id_column].to_pylist()]))
+    messages = table[ERROR].to_pylist()
+    valid = [i for i, message in enumerate(messages) if message is None]
     token_ids = table[TOKENS].to_pylist()
     namespaces = table[NAMESPACE].to_pylist()
     rows = table[ROW].to_pylist()
@@ -207,30 +251,24 @@ def _run_partition(cfg, part: int, prepared: Prepared, engine: Engine, writer: R
     ordered_tokens = [token_ids[i] for i in order]
     run_groups = groups(ordered_tokens, [namespaces[i] for i in order], int(cfg.engine.block_size))
     requests = [Request(rows[i], ordered_tokens[k], params, namespaces[i]) for k, i in enumerate(order)]
-    position = {rows[i]: i for i in order}
+    errors = [(i, message) for i, message in enumerate(messages) if message is not None]
+    return PartitionRun(part, table, errors, requests, run_groups, {rows[i]: i for i in order}, len(requests))
 
-    def feed():
-        for request in requests:
-            if interrupted[0]:
-                raise Interrupted
-            yield request
 
-    for request in engine.generate(feed(), lookahead=2 * int(cfg.engine.max_num_seqs)):
-        if interrupted[0]:
-            raise Interrupted
-        cached = request.num_cached_tokens or 0
-        writer.add(table, position[request.request_id], Outcome(
-            request.output_text, request.output_token_ids, request.num_prompt_tokens, cached,
-            request.finish_reason, request.error))
-        totals.num_requests += 1
-        totals.num_errors += request.error is not None
-        totals.prompt_tokens += request.num_prompt_tokens
-        totals.cached_tokens += cached
-        totals.output_tokens += len(request.output_token_ids)
-        bar.update(1)
-        if totals.prompt_tokens:
-            bar.set_postfix(hit=f"{totals.cached_tokens / totals.prompt_tokens:.1%}", refresh=False)
-    totals.group_rows.extend(_group_rows(part, run_groups, requests))
+def _record(run: PartitionRun, request: Request, writer: ResultWriter, totals: JobTotals) -> None:
+    """Write a finished request's row; when its partition is done, add the partition's group statistics."""
+    cached = request.num_cached_tokens or 0
+    writer.add(run.table, run.position[request.request_id], Outcome(
+        request.output_text, request.output_token_ids, request.num_prompt_tokens, cached,
+        request.finish_reason, request.error))
+    totals.num_requests += 1
+    totals.num_errors += request.error is not None
+    totals.prompt_tokens += request.num_prompt_tokens
+    totals.cached_tokens += cached
+    totals.output_tokens += len(request.output_token_ids)
+    run.unfinished -= 1
+    if run.unfinished == 0:
+        totals.group_rows.extend(_group_rows(run.part, run.groups, run.requests))
 
 
 def _group_rows(part: int, run_groups: list[Group], requests: list[Request]) -> list[dict]:

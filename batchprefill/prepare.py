@@ -37,13 +37,15 @@ from batchprefill.model.tokenizer import PromptTokenizer
 
 ROW, TOKENS, ERROR, NAMESPACE = "_bp_row", "_bp_tokens", "_bp_error", "_bp_namespace"
 INTERNAL = (ROW, TOKENS, ERROR, NAMESPACE)
-# Peak memory while one partition is read back and ordered, per byte of its Arrow table: the table, the
-# sort key (a copy of the token ids), the table taken in run order, and the comparison scratch.
-RUN_EXPANSION = 3
+# Peak memory while one partition is read back and ordered, per byte of its Arrow table: Parquet decoding,
+# the table, the sort key (a copy of the token ids), the table taken in run order, the comparison scratch
+# (measured 4.0 to 4.7 on benchmarks/planning_scale.py's partitions).
+RUN_EXPANSION = 5
 # Partitions are aimed at this size even when the buffer allows more: smaller ones lose no cache hits
 # (a prefix group never spans two) and let shards balance; hash skew can make one several times larger.
 PARTITION_TARGET_BYTES = 64 << 20
 SPILL_BUFFER_SHARE = 8  # rows waiting for their partition file hold at most data.buffer_mb / 8 in all
+PARTITIONS_PER_SHARD = 4  # the least a sharded job asks for, so whole partitions can balance its shards
 ENCODE_ROWS = 1024  # rows per tokenizer call: enough to keep every core busy, few enough to bound its output
 
 PARTITION_SCHEMA = pa.schema([("partition", pa.int64()), ("rows", pa.int64()), ("prompt_tokens", pa.int64()),
@@ -138,26 +140,29 @@ def _spill(files, fmt, settings: PrepareSettings, tokenizer, staging: Path, fing
     num_rows = dataset.count_rows()
     if num_rows == 0:
         raise JobError("the input has no rows")
-    batches = record_batches(dataset, settings.read_batch_rows)
-    first = next(batches)
-    first_table = _tokenized(first, 0, settings, tokenizer)
-    expected_bytes = first_table.nbytes * _input_bytes(dataset, settings) / max(first.nbytes, 1)
-    num_partitions = _num_partitions(expected_bytes, settings)
+    tables = _tokenized_tables(dataset, settings, tokenizer)
+    first = next(tables)
+    growth = first.nbytes / max(first.select(dataset.schema.names).nbytes, 1)  # what tokenizing adds
+    num_partitions = _num_partitions(growth * _input_bytes(dataset, settings), settings)
     files_out = _PartitionFiles(staging, num_partitions, (settings.buffer_mb << 20) // SPILL_BUFFER_SHARE)
     bar = tqdm(total=num_rows, desc="tokenize", unit="row", disable=not progress)
-    offset = 0
     try:
-        for batch in itertools.chain([None], batches):
-            table = first_table if batch is None else _tokenized(batch, offset, settings, tokenizer)
+        for table in itertools.chain([first], tables):
             files_out.add(table, _partition_of(table, num_partitions, num_rows, settings))
-            offset += table.num_rows
             bar.update(table.num_rows)
         files_out.finish()
     finally:
         bar.close()
         files_out.close()
     _warn_oversized(files_out.bytes, settings.buffer_mb)
-    return Manifest(fingerprint, offset, files_out.rows, files_out.tokens, files_out.bytes)
+    return Manifest(fingerprint, sum(files_out.rows), files_out.rows, files_out.tokens, files_out.bytes)
+
+
+def _tokenized_tables(dataset: pads.Dataset, settings: PrepareSettings, tokenizer) -> Iterator[pa.Table]:
+    offset = 0
+    for batch in record_batches(dataset, settings.read_batch_rows):
+        yield _tokenized(batch, offset, settings, tokenizer)
+        offset += batch.num_rows
 
 
 def _input_bytes(dataset: pads.Dataset, settings: PrepareSettings) -> int:

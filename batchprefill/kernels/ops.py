@@ -99,25 +99,29 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(middle, blended, scaled)
 
 
+SHORT_CHUNK = 64  # chunks up to this many queries share one padded attention call
+
+
 class TorchOps:
     """Plain torch ops: the CPU path and the reference for the kernels."""
 
     graph_safe_decode = False  # its batched decode builds index tensors on the host
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[keep].to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep].to(v_cache.dtype))
+        if bool((slot_mapping < 0).any()):  # only padded batches skip rows: avoid masking the common case
+            keep = slot_mapping >= 0
+            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
     def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(query)
-        decodes = [s for s, n in enumerate(meta.query_lens_host) if n == 1]
-        if len(decodes) > 1:
-            self._decode_batch(query, k_cache, v_cache, meta, scale, decodes, out)
+        short = [s for s, n in enumerate(meta.query_lens_host) if n <= SHORT_CHUNK]
+        if len(short) > 1:
+            self._short_batch(query, k_cache, v_cache, meta, scale, short, out)
         else:
-            decodes = []
-        done = set(decodes)
+            short = []
+        done = set(short)
         for s in range(meta.num_seqs):
             if s not in done:
                 self._one_sequence(query, k_cache, v_cache, meta, scale, s, out)
@@ -127,38 +131,47 @@ class TorchOps:
     def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
         """The first `length` cached tokens of one sequence: `[length, Hkv, D]`."""
         num_blocks = -(-length // cache.shape[1])
-        return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+        return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:length]
 
     def _one_sequence(self, query, k_cache, v_cache, meta, scale, s, out) -> None:
         start, q_len, seq_len = int(meta.query_start[s]), meta.query_lens_host[s], meta.seq_lens_host[s]
         keys = self._gather(k_cache, meta.block_tables[s], seq_len).to(query.dtype)
         values = self._gather(v_cache, meta.block_tables[s], seq_len).to(query.dtype)
-        q = query[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-        # Query j sits at position seq_len - q_len + j: it sees keys 0..that position.
-        key_pos = torch.arange(seq_len, device=query.device)
-        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        result = F.scaled_dot_product_attention(
-            q, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        out[start : start + q_len] = result.transpose(0, 1)
+        # 4-D [1, H, L, D] inputs: with a batch dimension torch takes its fused CPU kernel, not the math path.
+        q = query[start : start + q_len].transpose(0, 1)[None]
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        if q_len == seq_len:  # nothing cached before the chunk: plain causal attention
+            result = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:  # query j sits at position seq_len - q_len + j and sees keys 0..that position
+            key_pos = torch.arange(seq_len, device=query.device)
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            result = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = result[0].transpose(0, 1)
 
-    def _decode_batch(self, query, k_cache, v_cache, meta, scale, decodes, out) -> None:
-        """All single-token sequences in one padded SDPA call: one kernel instead of one per sequence."""
-        index = torch.tensor(decodes, device=query.device)
-        lens = meta.seq_lens[index].long()
-        max_len = max(meta.seq_lens_host[s] for s in decodes)
-        num_blocks = -(-max_len // k_cache.shape[1])
-        tables = meta.block_tables[index, :num_blocks].long()
-        keys = k_cache[tables].flatten(1, 2)[:, :max_len].to(query.dtype)  # [B, L, Hkv, D]
-        values = v_cache[tables].flatten(1, 2)[:, :max_len].to(query.dtype)
-        rows = meta.query_start[index].long()
-        q = query[rows].unsqueeze(2)  # [B, Hq, 1, D]
-        mask = (torch.arange(max_len, device=query.device)[None, :] < lens[:, None])[:, None, None, :]
+    def _short_batch(self, query, k_cache, v_cache, meta, scale, seqs, out) -> None:
+        """Decodes and short chunks in one padded SDPA call: one kernel instead of one per sequence."""
+        device, block = query.device, k_cache.shape[1]
+        q_lens = [meta.query_lens_host[s] for s in seqs]
+        width = max(q_lens)
+        index = torch.tensor(seqs, device=device)
+        num_blocks = -(-max(meta.seq_lens_host[s] for s in seqs) // block)
+        tables = meta.block_tables[index, :num_blocks].long().flatten()
+        span = num_blocks * block  # whole blocks: the mask hides what lies past each length
+        keys = k_cache.index_select(0, tables).view(len(seqs), span, *k_cache.shape[2:]).to(query.dtype)
+        values = v_cache.index_select(0, tables).view(len(seqs), span, *v_cache.shape[2:]).to(query.dtype)
+        # Row j of sequence s holds its query j (padding rows repeat its last one): position seq_len - q_len + j.
+        offsets = torch.tensor([min(j, n - 1) for n in q_lens for j in range(width)], device=device).view(-1, width)
+        rows = meta.query_start[index].long()[:, None] + offsets
+        lens, q_lens_t = meta.seq_lens[index].long(), torch.tensor(q_lens, device=device)
+        positions = (lens - q_lens_t)[:, None] + offsets
+        mask = torch.arange(span, device=device)[None, None, :] <= positions[:, :, None]
         result = F.scaled_dot_product_attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        out[rows] = result.squeeze(2)
+            query[rows].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None],
+            scale=scale, enable_gqa=True,
+        ).transpose(1, 2)  # [S, width, Hq, D]
+        keep = offsets == torch.arange(width, device=device)[None, :]
+        out[rows[keep]] = result[keep]
 
     def rms_norm(self, x, weight, eps, residual=None):
         if residual is not None:

@@ -1,0 +1,210 @@
+"""The preparation stage: streaming into partitions, error rows, manifest reuse, prefix order, groups, shards.
+
+A word-level tokenizer built here (one token per word) keeps lengths exact and needs no model files.
+Timing and peak memory belong to benchmarks/planning_scale.py, not here.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from batchprefill.dataset import Columns
+from batchprefill.model.tokenizer import PromptTokenizer
+from batchprefill.order import Group, assign_shards, groups, prefix_order, reusable_tokens, shared_blocks
+from batchprefill.prepare import (
+    ERROR,
+    NAMESPACE,
+    ROW,
+    TOKENS,
+    PrepareSettings,
+    partition_path,
+    partition_records,
+    prepare,
+)
+
+VOCAB = 8
+BLOCK = 2
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def words(tmp_path_factory) -> PromptTokenizer:
+    """Words w0..w7 are tokens 0..7, split on whitespace: a prompt of n words is n tokens."""
+    vocab = {f"w{i}": i for i in range(VOCAB)} | {"[UNK]": VOCAB}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder = tmp_path_factory.mktemp("words")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return PromptTokenizer(folder)
+
+
+def _settings(min_partitions: int = 5, order: str = "prefix", namespace: str | None = "ns") -> PrepareSettings:
+    return PrepareSettings(columns=Columns(prompt="prompt", id="id", system=None, namespace=namespace),
+                           chat_template=False, order=order, block_size=BLOCK, max_prompt_tokens=MAX_TOKENS,
+                           tokenizer_id="words", read_batch_rows=7, buffer_mb=1, min_partitions=min_partitions)
+
+
+def _write(path: Path, prompts: list, namespaces: list[str]) -> Path:
+    pq.write_table(pa.table({"id": list(range(len(prompts))), "prompt": pa.array(prompts, pa.string()),
+                             "ns": namespaces}), path)
+    return path
+
+
+def _partitions(folder: Path, count: int) -> list[pa.Table]:
+    return [pq.read_table(partition_path(folder, part)) for part in range(count)]
+
+
+def _prepare(words, source: Path, folder: Path, **kwargs):
+    manifest = prepare([source], "parquet", _settings(**kwargs), words, folder, progress=False)
+    return manifest, _partitions(folder, manifest.num_partitions)
+
+
+token_lists = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=MAX_TOKENS)
+
+
+@settings(max_examples=25, deadline=None)
+@given(bases=st.lists(token_lists, min_size=1, max_size=4), data=st.data(), count=st.integers(1, 40),
+       parts=st.integers(1, 6))
+def test_every_row_lands_in_one_partition_with_every_row_sharing_its_first_block(words, bases, data, count, parts):
+    rows = [data.draw(st.sampled_from(bases)) + data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=3))
+            for _ in range(count)]
+    rows = [ids[:MAX_TOKENS] for ids in rows]
+    namespaces = data.draw(st.lists(st.sampled_from(["", "a"]), min_size=count, max_size=count))
+    with tempfile.TemporaryDirectory() as tmp:
+        source = _write(Path(tmp) / "in.parquet", [" ".join(f"w{t}" for t in ids) for ids in rows], namespaces)
+        manifest, tables = _prepare(words, source, Path(tmp) / "partitions", min_partitions=parts)
+    assert manifest.num_partitions == parts and manifest.num_rows == count
+    where: dict[int, int] = {}
+    for part, table in enumerate(tables):
+        assert table.num_rows == manifest.partition_rows[part]
+        assert sum(map(len, table[TOKENS].to_pylist())) == manifest.partition_tokens[part]
+        for row, ids in zip(table[ROW].to_pylist(), table[TOKENS].to_pylist()):
+            assert row not in where and ids == rows[row]
+            where[row] = part
+    assert sorted(where) == list(range(count))
+    for i in range(count):
+        for j in range(count):
+            if namespaces[i] == namespaces[j] and shared_blocks(rows[i], rows[j], BLOCK) > 0:
+                assert where[i] == where[j]
+
+
+def test_error_rows_are_kept_with_their_message_and_no_tokens(words, tmp_path):
+    prompts = ["w1 w2 w3", None, "", "   \n", " ".join(["w1"] * (MAX_TOKENS + 1)), "w1 w2"]
+    manifest, tables = _prepare(words, _write(tmp_path / "in.parquet", prompts, [""] * 6), tmp_path / "p")
+    rows = {r[ROW]: r for t in tables for r in t.select([ROW, ERROR, TOKENS]).to_pylist()}
+    assert [rows[i][ERROR] for i in range(6)] == [
+        None, "prompt is null", "prompt is empty or whitespace only", "prompt is empty or whitespace only",
+        f"prompt has {MAX_TOKENS + 1} tokens; at most {MAX_TOKENS} fit (model context minus sampling.max_tokens)",
+        None]
+    assert [len(rows[i][TOKENS]) for i in range(6)] == [3, 0, 0, 0, 0, 2]
+    assert sum(manifest.partition_tokens) == 5
+
+
+def test_input_order_makes_contiguous_ranges(words, tmp_path):
+    prompts = [f"w{i % VOCAB} w1 w2" for i in range(30)]
+    _, tables = _prepare(words, _write(tmp_path / "in.parquet", prompts, [""] * 30), tmp_path / "p",
+                         order="input", min_partitions=4)
+    ranges = [t[ROW].to_pylist() for t in tables]
+    assert sum(ranges, []) == list(range(30)) and all(len(r) > 0 for r in ranges)
+
+
+def test_a_rerun_reuses_the_manifest_and_a_changed_input_prepares_again(words, tmp_path, monkeypatch):
+    source = _write(tmp_path / "in.parquet", ["w1 w2 w3"] * 10, [""] * 10)
+    first, _ = _prepare(words, source, tmp_path / "p")
+    with monkeypatch.context() as patched:
+        patched.setattr("batchprefill.prepare._spill", lambda *args: pytest.fail("prepared again"))
+        assert _prepare(words, source, tmp_path / "p", min_partitions=3)[0] == first  # the count is no reason
+    _write(source, ["w1 w2 w3"] * 12, [""] * 12)
+    again, tables = _prepare(words, source, tmp_path / "p")
+    assert again.num_rows == 12 and again.fingerprint != first.fingerprint
+    assert sum(t.num_rows for t in tables) == 12
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 1000), max_size=30), num_shards=st.integers(1, 8))
+def test_shards_take_whole_partitions_once_and_balance(tokens, num_shards):
+    shards = assign_shards(tokens, num_shards)
+    assert len(shards) == num_shards
+    assert sorted(p for shard in shards for p in shard) == list(range(len(tokens)))
+    loads = [sum(tokens[p] for p in shard) for shard in shards]
+    assert max(loads) <= sum(tokens) / num_shards + max(tokens, default=0)
+
+
+def test_partition_records_name_each_partition_and_its_shard(words, tmp_path):
+    prompts = [f"w{i % VOCAB} w{i % 3} w2 w3" for i in range(40)]
+    manifest, _ = _prepare(words, _write(tmp_path / "in.parquet", prompts, [""] * 40), tmp_path / "p")
+    shards = assign_shards(manifest.partition_tokens, 2)
+    records = partition_records(manifest, shards)
+    assert [r["partition"] for r in records] == list(range(manifest.num_partitions))
+    assert sum(r["rows"] for r in records) == 40
+    assert all(r["partition"] in shards[r["shard"]] for r in records)
+
+
+def _reference_groups(token_ids: list[list[int]], namespaces: list[str], block_size: int) -> list[Group]:
+    """The definition, one row at a time: join the group if sharing a first block with its first row."""
+    result: list[Group] = []
+    for i, ids in enumerate(token_ids):
+        if (result and namespaces[i] == namespaces[i - 1] and result[-1].shared_prefix_tokens > 0
+                and shared_blocks(token_ids[result[-1].start], ids, block_size) > 0):
+            group = result[-1]
+            shared = shared_blocks(token_ids[group.start], ids, block_size) * block_size
+            group.shared_prefix_tokens = min(group.shared_prefix_tokens, shared)
+            group.stop = i + 1
+        else:
+            result.append(Group(i, i + 1, (len(ids) // block_size) * block_size))
+    for group in result:
+        if group.stop - group.start == 1:
+            group.shared_prefix_tokens = 0
+    return result
+
+
+def _reference_reuse(token_ids: list[list[int]], namespaces: list[str], block_size: int) -> list[int]:
+    return [0 if i == 0 or namespaces[i] != namespaces[i - 1] else
+            min(shared_blocks(token_ids[i - 1], ids, block_size), (len(ids) - 1) // block_size) * block_size
+            for i, ids in enumerate(token_ids)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(bases=st.lists(st.lists(st.integers(0, 3), max_size=10), min_size=1, max_size=3), data=st.data(),
+       block_size=st.sampled_from([1, 2, 4]), arrow=st.booleans())
+def test_order_groups_and_reuse_match_their_definitions(bases, data, block_size, arrow):
+    rows = data.draw(st.lists(st.builds(lambda base, cut, tail: (base[:cut] + tail) or [0], st.sampled_from(bases),
+                                        st.integers(0, 10), st.lists(st.integers(0, 3), max_size=4)), max_size=30))
+    names = data.draw(st.lists(st.sampled_from(["", "a", "b"]), min_size=len(rows), max_size=len(rows)))
+
+    def column(lists, strings):
+        if not arrow:
+            return lists, strings
+        return (pa.chunked_array([pa.array(lists, pa.list_(pa.int32()))], pa.list_(pa.int32())),
+                pa.chunked_array([pa.array(strings, pa.string())], pa.string()))
+
+    order = prefix_order(*column(rows, names))
+    assert order == sorted(range(len(rows)), key=lambda i: (names[i], rows[i]))
+    for run in (order, list(range(len(rows)))):  # the prefix order and the input order
+        ids, spaces = [rows[i] for i in run], [names[i] for i in run]
+        assert groups(*column(ids, spaces), block_size) == _reference_groups(ids, spaces, block_size)
+        assert reusable_tokens(*column(ids, spaces), block_size) == _reference_reuse(ids, spaces, block_size)
+
+
+def test_a_sliced_arrow_column_orders_like_its_lists():
+    lists = [[9, 9], [1, 2, 3], [1, 2], [0]]
+    column = pa.array(lists, pa.list_(pa.int32())).slice(1)
+    assert prefix_order(column, ["", "", ""]) == [2, 1, 0]
+    assert groups(column.take([1, 0]), ["", ""], 2) == [Group(0, 2, 2)]
+
+
+def test_namespaces_come_from_the_namespace_column(words, tmp_path):
+    prompts = ["w1 w2 w3"] * 6
+    _, tables = _prepare(words, _write(tmp_path / "in.parquet", prompts, ["a", "b"] * 3), tmp_path / "p")
+    assert sorted(n for t in tables for n in t[NAMESPACE].to_pylist()) == ["a"] * 3 + ["b"] * 3
+    _, tables = _prepare(words, _write(tmp_path / "in2.parquet", prompts, ["a"] * 6), tmp_path / "q",
+                         namespace=None)
+    assert {n for t in tables for n in t[NAMESPACE].to_pylist()} == {""}
