@@ -11,10 +11,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_cli
 
 from batchprefill.model.llama import ModelConfig
 from batchprefill.plan import PLAN_SCHEMA, attention_pairs, kv_bytes_per_token, prefill_flops, transfer_seconds
+from tests.conftest import run_cli
 
 BLOCK = 16
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
