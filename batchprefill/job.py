@@ -129,7 +129,7 @@ def run_job(cfg: DictConfig) -> dict:
         num_blocks=_num_blocks(cfg, prepared.model_config, kv_dtype, device,
                                _tokens_needed(prepared, mine, params.max_tokens)),
         prefix_caching=bool(cfg.engine.prefix_caching), cache_namespace=str(cfg.engine.cache_namespace),
-        padded_decode="graphs" if graphs else "off",
+        reserve_output_blocks=bool(cfg.engine.reserve_output_blocks), padded_decode="graphs" if graphs else "off",
     )
     scope = (loaded.identity, str(dtype), str(kv_dtype), prepared.model_config.rope_theta,
              repr(prepared.model_config.rope_scaling), engine_config.block_size, cfg.model.adapter)

@@ -35,6 +35,7 @@ workloads = st.fixed_dictionaries({
     "budget": st.integers(1, 96),
     "max_seqs": st.integers(1, 8),
     "prefix_caching": st.booleans(),
+    "reserve_growth": st.booleans(),
 })
 
 
@@ -43,7 +44,8 @@ workloads = st.fixed_dictionaries({
 def test_random_workloads_keep_every_invariant(w):
     rng = random.Random(w["seed"])
     size = w["block_size"]
-    scheduler = Scheduler(BlockPool(w["num_blocks"]), size, w["budget"], w["max_seqs"], w["prefix_caching"], ROOTS)
+    scheduler = Scheduler(BlockPool(w["num_blocks"]), size, w["budget"], w["max_seqs"], w["prefix_caching"], ROOTS,
+                          w["reserve_growth"])
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(0, 4 * size))] for _ in range(3)]
     capacity = w["num_blocks"] * size
     requests = []
@@ -84,3 +86,5 @@ def test_random_workloads_keep_every_invariant(w):
     assert finished == Counter(r.request_id for r in requests)  # every request finished exactly once
     assert all(len(r.output_token_ids) == r.sampling.max_tokens for r in requests)
     assert not scheduler.in_flight
+    if w["reserve_growth"]:
+        assert scheduler.preemptions == 0  # admission held every request's ceiling: nothing was recomputed

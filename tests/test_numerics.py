@@ -76,10 +76,23 @@ def test_output_is_the_same_whether_the_prefix_was_cached_or_computed(make_engin
         assert cached[i].output_text == computed[i].output_text
 
 
-def test_a_pool_under_pressure_preempts_and_still_gives_the_same_tokens(make_engine, chat_prompts):
+def test_a_pool_under_pressure_gives_the_same_tokens_with_or_without_preemption(make_engine, chat_prompts):
     roomy = generate(make_engine(num_blocks=512), chat_prompts[:6], max_tokens=16)
-    tight_engine = make_engine(num_blocks=14, block_size=8, max_batched_tokens=32)
-    tight = generate(tight_engine, chat_prompts[:6], max_tokens=16)
-    assert tight_engine.pool.evictions > 0 or tight_engine.scheduler.preemptions > 0
-    for i in range(6):
-        assert tight[i].output_token_ids == roomy[i].output_token_ids
+    for reserve in (True, False):
+        engine = make_engine(num_blocks=14, block_size=8, max_batched_tokens=32, reserve_output_blocks=reserve)
+        tight = generate(engine, chat_prompts[:6], max_tokens=16)
+        if reserve:
+            assert engine.scheduler.preemptions == 0 and engine.pool.evictions > 0
+        else:
+            assert engine.scheduler.preemptions > 0
+        for i in range(6):
+            assert tight[i].output_token_ids == roomy[i].output_token_ids
+
+
+def test_a_request_that_can_never_fit_the_pool_is_an_error_and_the_rest_run(make_engine, chat_prompts):
+    engine = make_engine(num_blocks=8, block_size=8)  # 64 slots: prompts of ~35 tokens + 16 fit, + 40 do not
+    done = {r.request_id: r for r in engine.generate(
+        [Request(0, list(chat_prompts[0]), SamplingParams(max_tokens=40)),
+         Request(1, list(chat_prompts[1]), SamplingParams(max_tokens=16))])}
+    assert done[0].finish_reason == "error" and "engine.kv_cache_tokens" in done[0].error
+    assert done[1].finish_reason in ("stop", "length") and done[1].error is None

@@ -7,8 +7,8 @@ from batchprefill.engine.scheduler import Scheduler
 ROOTS = {"": scope_key("model", "float32"), "tenant-b": scope_key("model", "float32", "tenant-b")}
 
 
-def make_scheduler(num_blocks=1024, block_size=16, budget=4096, max_seqs=256) -> Scheduler:
-    return Scheduler(BlockPool(num_blocks), block_size, budget, max_seqs, True, ROOTS)
+def make_scheduler(num_blocks=1024, block_size=16, budget=4096, max_seqs=256, reserve_growth=True) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks), block_size, budget, max_seqs, True, ROOTS, reserve_growth)
 
 
 def run_to_completion(scheduler: Scheduler, request: Request) -> None:
@@ -136,8 +136,8 @@ def test_a_group_fills_its_shared_prefix_once():
     assert all(c.request.num_cached_tokens == 96 and c.num_tokens == 10 for c in followers)
 
 
-def test_the_newest_request_is_preempted_when_the_pool_runs_out():
-    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=64)
+def test_without_reservation_the_newest_request_is_preempted_when_the_pool_runs_out():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=64, reserve_growth=False)
     old = Request(0, [1] * 7, SamplingParams())
     new = Request(1, [2] * 7, SamplingParams())
     scheduler.add(old)
@@ -153,3 +153,23 @@ def test_the_newest_request_is_preempted_when_the_pool_runs_out():
     assert new.status is Status.WAITING and new.num_computed_tokens == 0
     assert scheduler.preemptions == 1
     assert len(old.block_table) == 3
+
+
+def test_with_reservation_a_request_waits_until_its_outputs_fit_and_nothing_is_preempted():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    old = Request(0, [1] * 7, SamplingParams(max_tokens=5))  # up to 12 tokens: three blocks
+    new = Request(1, [2] * 7, SamplingParams(max_tokens=9))  # up to 16 tokens: four blocks
+    scheduler.add(old)
+    scheduler.add(new)
+    step = scheduler.schedule()
+    assert [c.request for c in step.chunks] == [old] and new.status is Status.WAITING
+    scheduler.commit(step)
+    while old.status is Status.RUNNING:
+        old.output_token_ids.append(5)
+        if len(old.output_token_ids) == old.sampling.max_tokens:
+            scheduler.finish(old)
+            break
+        scheduler.commit(scheduler.schedule())
+    assert scheduler.preemptions == 0 and len(old.block_table) == 0
+    step = scheduler.schedule()
+    assert [c.request for c in step.chunks] == [new]

@@ -24,6 +24,7 @@ class EngineConfig:
     num_blocks: int = 1024
     prefix_caching: bool = True
     cache_namespace: str = "default"
+    reserve_output_blocks: bool = True  # admit a request only if its prompt and max_tokens outputs fit
     padded_decode: str = "off"  # "graphs" on CUDA: decode-only steps replay captured CUDA graphs
 
 
@@ -57,25 +58,34 @@ class Engine:
         self.pool = BlockPool(config.num_blocks)
         self.root_keys: dict[str, bytes] = {}
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_batched_tokens, config.max_num_seqs,
-                                   config.prefix_caching, self.root_keys)
+                                   config.prefix_caching, self.root_keys, config.reserve_output_blocks)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, kv_dtype, device,
                                   config.padded_decode, config.max_num_seqs)
         self.counters = EngineCounters()
+        self.rejected: list[Request] = []  # requests that can never fit the pool, returned by the next step
 
     def add(self, request: Request) -> None:
+        capacity = self.config.num_blocks * self.config.block_size
+        if request.num_prompt_tokens + request.sampling.max_tokens > capacity:
+            request.error = (f"needs up to {request.num_prompt_tokens + request.sampling.max_tokens} KV slots "
+                             f"(prompt + sampling.max_tokens) but the pool holds {capacity}; "
+                             "raise engine.kv_cache_tokens")
+            self._finish(request, "error", "")
+            self.rejected.append(request)
+            return
         namespace = request.namespace
         if namespace not in self.root_keys:
             self.root_keys[namespace] = scope_key(*self.model_scope, self.config.cache_namespace, namespace)
         self.scheduler.add(request)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.rejected)
 
     def step(self) -> list[Request]:
         """One forward pass; returns the requests that finished in it."""
         started = time.perf_counter()
         step = self.scheduler.schedule()
-        finished: list[Request] = []
+        finished, self.rejected = self.rejected, []
         if step.chunks:
             logits, sampled = self.runner.run(step)
             self.scheduler.commit(step)
@@ -84,8 +94,6 @@ class Engine:
                 if self._append(request, token):
                     self.scheduler.finish(request)
                     finished.append(request)
-        elif self.scheduler.waiting and not self.scheduler.running:
-            finished.append(self._reject_head())
         self._record(step, started)
         return finished
 
@@ -119,15 +127,6 @@ class Engine:
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_positions:
             return self._finish(request, "length", self.decode(request.output_token_ids))
         return False
-
-    def _reject_head(self) -> Request:
-        """Nothing runs and the next request still cannot start: it can never fit in the pool."""
-        request = self.scheduler.waiting.popleft()
-        capacity = self.config.num_blocks * self.config.block_size
-        request.error = (f"needs {request.num_tokens + 1} KV slots but the pool holds {capacity}; "
-                         "raise engine.kv_cache_tokens")
-        self._finish(request, "error", "")
-        return request
 
     @staticmethod
     def _finish(request: Request, reason: str, text: str) -> bool:

@@ -32,13 +32,14 @@ class Step:
 class Scheduler:
     def __init__(
         self, pool: BlockPool, block_size: int, max_batched_tokens: int, max_num_seqs: int,
-        prefix_caching: bool = True, root_keys: dict[str, bytes] | None = None,
+        prefix_caching: bool = True, root_keys: dict[str, bytes] | None = None, reserve_growth: bool = True,
     ):
         self.pool = pool
         self.block_size = block_size
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.prefix_caching = prefix_caching
+        self.reserve_growth = reserve_growth
         self.root_keys = root_keys if root_keys is not None else {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
@@ -131,9 +132,20 @@ class Scheduler:
         self.pool.release(request.block_table)
         request.block_table = []
 
+    def _growth(self, request: Request) -> int:
+        """Blocks a request may still claim: up to its whole prompt plus max_tokens outputs."""
+        final = request.num_prompt_tokens + request.sampling.max_tokens
+        return max(0, -(-final // self.block_size) - len(request.block_table))
+
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
-        """Admit waiting requests in order while budget, sequence slots and blocks last."""
+        """Admit waiting requests in order while budget, sequence slots and blocks last.
+
+        With `reserve_growth`, a request is admitted only if the pool also holds every running request's
+        remaining growth and its own: a batch job knows each request's ceiling, so it need not preempt and
+        recompute. Without it, admission looks at this step only and preemption resolves overcommitment.
+        """
         held_back: list[Request] = []
+        reserved = sum(self._growth(r) for r in self.running) if self.reserve_growth else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
             hits, next_key = self._match(request)
@@ -143,11 +155,17 @@ class Scheduler:
             cached = len(hits) * self.block_size
             count = min(request.num_tokens - cached, budget)
             need = -(-(cached + count) // self.block_size) - len(hits)
-            if need > self.pool.num_available - sum(self.pool.ref_counts[b] == 0 for b in hits):
+            claim = need
+            if self.reserve_growth:
+                total = request.num_prompt_tokens + request.sampling.max_tokens
+                claim = max(need, -(-total // self.block_size) - len(hits)) + reserved
+            if claim > self.pool.num_available - sum(self.pool.ref_counts[b] == 0 for b in hits):
                 self.waiting.appendleft(request)
                 break
             self.pool.acquire(hits)
             request.block_table = hits + self.pool.allocate(need)
+            if self.reserve_growth:
+                reserved = claim - need
             request.num_computed_tokens = cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = min(cached, request.num_prompt_tokens)
