@@ -102,10 +102,62 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 SHORT_CHUNK = 64  # chunks up to this many queries share one padded attention call
 
 
+@dataclass
+class CascadePlan:
+    """How a batch of short chunks splits its attention between shared prefixes and own blocks."""
+
+    own_blocks: list[list[int]]  # per sequence: its blocks after the shared part, padded with block 0
+    first_own_block: list[int]  # per sequence: index of its first own block in its table
+    groups: list[tuple[list[int], list[int]]]  # (member rows, shared block ids)
+
+
+def _padded_rows(meta: AttentionMetadata, seqs: list[int], width: int, device: torch.device):
+    """Row j of sequence s holds its query j (padding rows repeat its last one), at position
+    seq_len - q_len + j: (offsets, flat-batch rows, positions), each `[S, width]`."""
+    q_lens = [meta.query_lens_host[s] for s in seqs]
+    offsets = torch.tensor([min(j, n - 1) for n in q_lens for j in range(width)], device=device).view(-1, width)
+    index = torch.tensor(seqs, device=device)
+    rows = meta.query_start[index].long()[:, None] + offsets
+    positions = (meta.seq_lens[index].long() - torch.tensor(q_lens, device=device))[:, None] + offsets
+    return offsets, rows, positions
+
+
+def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[S, W, Hq, D] -> [S, Hkv, G*W, D]: each KV head with the G query heads that read it."""
+    s, w, hq, d = q.shape
+    return q.view(s, w, num_kv_heads, hq // num_kv_heads, d).permute(0, 2, 3, 1, 4).reshape(s, num_kv_heads, -1, d)
+
+
+def _ungrouped(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[S, Hkv, G*W, D] -> [S, W, Hq, D]."""
+    s, hkv, gw, d = x.shape
+    return x.view(s, hkv, gw // width, width, d).permute(0, 3, 1, 2, 4).reshape(s, width, -1, d)
+
+
+def _attend(q, k, v, scale, mask):
+    """Softmax attention that also returns the log-sum-exp of the scores, so partial results can merge."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Combine attention over two disjoint key sets from their outputs and log-sum-exps."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
+
+
 class TorchOps:
     """Plain torch ops: the CPU path and the reference for the kernels."""
 
     graph_safe_decode = False  # its batched decode builds index tensors on the host
+
+    def __init__(self) -> None:
+        self._plan_for: AttentionMetadata | None = None  # the step the cached cascade plan belongs to
+        self._plan_seqs: list[int] = []
+        self._plan: CascadePlan | None = None
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         if bool((slot_mapping < 0).any()):  # only padded batches skip rows: avoid masking the common case
@@ -116,12 +168,16 @@ class TorchOps:
 
     def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(query)
-        short = [s for s, n in enumerate(meta.query_lens_host) if n <= SHORT_CHUNK]
-        if len(short) > 1:
-            self._short_batch(query, k_cache, v_cache, meta, scale, short, out)
-        else:
-            short = []
-        done = set(short)
+        lens = meta.query_lens_host
+        decodes = [s for s, n in enumerate(lens) if n == 1]
+        chunks = [s for s, n in enumerate(lens) if 1 < n <= SHORT_CHUNK]
+        done: set[int] = set()
+        if len(decodes) > 1:
+            self._cascade(query, k_cache, v_cache, meta, scale, decodes, out)
+            done.update(decodes)
+        if len(chunks) > 1:
+            self._padded_batch(query, k_cache, v_cache, meta, scale, chunks, out)
+            done.update(chunks)
         for s in range(meta.num_seqs):
             if s not in done:
                 self._one_sequence(query, k_cache, v_cache, meta, scale, s, out)
@@ -149,8 +205,8 @@ class TorchOps:
             result = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = result[0].transpose(0, 1)
 
-    def _short_batch(self, query, k_cache, v_cache, meta, scale, seqs, out) -> None:
-        """Decodes and short chunks in one padded SDPA call: one kernel instead of one per sequence."""
+    def _padded_batch(self, query, k_cache, v_cache, meta, scale, seqs, out) -> None:
+        """Short chunks in one padded SDPA call: one fused kernel instead of one per sequence."""
         device, block = query.device, k_cache.shape[1]
         q_lens = [meta.query_lens_host[s] for s in seqs]
         width = max(q_lens)
@@ -160,11 +216,7 @@ class TorchOps:
         span = num_blocks * block  # whole blocks: the mask hides what lies past each length
         keys = k_cache.index_select(0, tables).view(len(seqs), span, *k_cache.shape[2:]).to(query.dtype)
         values = v_cache.index_select(0, tables).view(len(seqs), span, *v_cache.shape[2:]).to(query.dtype)
-        # Row j of sequence s holds its query j (padding rows repeat its last one): position seq_len - q_len + j.
-        offsets = torch.tensor([min(j, n - 1) for n in q_lens for j in range(width)], device=device).view(-1, width)
-        rows = meta.query_start[index].long()[:, None] + offsets
-        lens, q_lens_t = meta.seq_lens[index].long(), torch.tensor(q_lens, device=device)
-        positions = (lens - q_lens_t)[:, None] + offsets
+        offsets, rows, positions = _padded_rows(meta, seqs, width, device)
         mask = torch.arange(span, device=device)[None, None, :] <= positions[:, :, None]
         result = F.scaled_dot_product_attention(
             query[rows].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None],
@@ -172,6 +224,75 @@ class TorchOps:
         ).transpose(1, 2)  # [S, width, Hq, D]
         keep = offsets == torch.arange(width, device=device)[None, :]
         out[rows[keep]] = result[keep]
+
+    def _cascade(self, query, k_cache, v_cache, meta, scale, seqs, out) -> None:
+        """Decodes (and any short chunks) together, as cascade attention.
+
+        Sequences of a prefix group point at the same physical blocks for their shared prefix, so the
+        shared blocks are read once per group and attended by all the group's queries together; each
+        sequence then attends to its own remaining blocks in one padded batch, and the two halves are
+        merged by log-sum-exp. Without sharing, the second half alone is the whole attention.
+        """
+        device, block = query.device, k_cache.shape[1]
+        plan = self._cascade_plan(meta, seqs, block)
+        width = max(meta.query_lens_host[s] for s in seqs)
+        offsets, rows, positions = _padded_rows(meta, seqs, width, device)
+        q = _grouped(query[rows], k_cache.shape[2])  # [S, Hkv, G*W, D]
+
+        own_blocks = torch.tensor(plan.own_blocks, device=device)  # [S, R] block ids after the shared part
+        keys = k_cache.index_select(0, own_blocks.flatten()).view(*own_blocks.shape, block, *k_cache.shape[2:])
+        values = v_cache.index_select(0, own_blocks.flatten()).view(*own_blocks.shape, block, *v_cache.shape[2:])
+        keys, values = (x.flatten(1, 2).transpose(1, 2).to(query.dtype) for x in (keys, values))  # [S, Hkv, L, D]
+        key_pos = torch.tensor(plan.first_own_block, device=device)[:, None] * block + torch.arange(
+            keys.shape[2], device=device)[None, :]
+        mask = (key_pos[:, None, :] <= positions[:, :, None]).repeat(1, q.shape[2] // width, 1)[:, None]
+        result, lse = _attend(q, keys, values, scale, mask)
+
+        for members, shared in plan.groups:  # the shared prefix: once per group, for all its queries
+            blocks = torch.tensor(shared, device=device)
+            k = k_cache.index_select(0, blocks).flatten(0, 1).transpose(0, 1).to(query.dtype)  # [Hkv, P, D]
+            v = v_cache.index_select(0, blocks).flatten(0, 1).transpose(0, 1).to(query.dtype)
+            picked = torch.tensor(members, device=device)
+            group_q = q[picked].transpose(0, 1).flatten(1, 2)  # [Hkv, M*G*W, D]
+            shared_out, shared_lse = _attend(group_q, k, v, scale, None)
+            shape = (q.shape[1], len(members), q.shape[2])
+            merged, merged_lse = _merge(
+                result[picked], lse[picked], shared_out.view(*shape, -1).transpose(0, 1),
+                shared_lse.view(shape).transpose(0, 1))
+            result[picked], lse[picked] = merged, merged_lse
+        result = _ungrouped(result, width)  # [S, W, Hq, D]
+        keep = offsets == torch.arange(width, device=device)[None, :]
+        out[rows[keep]] = result[keep].to(out.dtype)
+
+    def _cascade_plan(self, meta: AttentionMetadata, seqs: list[int], block: int) -> CascadePlan:
+        """Which blocks each group shares: computed once per step, reused by every layer."""
+        if self._plan_for is meta and self._plan_seqs == seqs:
+            return self._plan
+        tables = meta.block_tables.tolist()
+        first_query_block = {s: (meta.seq_lens_host[s] - meta.query_lens_host[s]) // block for s in seqs}
+        by_first: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            if first_query_block[s] > 0:
+                by_first.setdefault(tables[s][0], []).append(i)
+        shared_count = [0] * len(seqs)
+        groups = []
+        for members in by_first.values():
+            if len(members) < 2:
+                continue
+            limit = min(first_query_block[seqs[i]] for i in members)  # blocks wholly before every query
+            count = 0
+            while count < limit and len({tables[seqs[i]][count] for i in members}) == 1:
+                count += 1
+            for i in members:
+                shared_count[i] = count
+            groups.append((members, tables[seqs[members[0]]][:count]))
+        needed = [-(-meta.seq_lens_host[s] // block) - shared_count[i] for i, s in enumerate(seqs)]
+        width = max(needed)
+        own = [tables[s][shared_count[i] : shared_count[i] + needed[i]] + [0] * (width - needed[i])
+               for i, s in enumerate(seqs)]
+        self._plan_for, self._plan_seqs = meta, seqs
+        self._plan = CascadePlan(own, shared_count, groups)
+        return self._plan
 
     def rms_norm(self, x, weight, eps, residual=None):
         if residual is not None:
