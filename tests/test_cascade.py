@@ -36,7 +36,10 @@ def test_groups_sharing_blocks_match_each_sequence_alone():
     got = torch.full_like(query, float("nan"))
     ops._cascade(query, k_cache, v_cache, meta, 0.25, list(range(meta.num_seqs)), got)
     assert ops._plan.groups  # the cascade really ran with shared groups
-    assert [len(shared) for _, shared in ops._plan.groups] == [2, 2]
+    # the deepest prefix each sequence shares with another: all of group a, both blocks of group b; the
+    # last sequence shares only two of a's blocks with nobody else at that depth, so it stands alone
+    groups = sorted((members, shared) for members, shared in ops._plan.groups)
+    assert groups == [([0, 1, 2], shared_a), ([3, 4], shared_b)]
     assert torch.allclose(got, one_by_one(query, k_cache, v_cache, meta, 0.25), atol=1e-5)
 
 

@@ -12,6 +12,7 @@ Layouts:
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -170,11 +171,12 @@ class TorchOps:
         out = torch.empty_like(query)
         lens = meta.query_lens_host
         decodes = [s for s, n in enumerate(lens) if n == 1]
-        chunks = [s for s, n in enumerate(lens) if 1 < n <= SHORT_CHUNK]
+        grouped = self._grouped_decodes(meta, decodes, k_cache.shape[1]) if len(decodes) > 1 else []
+        chunks = [s for s, n in enumerate(lens) if n <= SHORT_CHUNK and s not in set(grouped)]
         done: set[int] = set()
-        if len(decodes) > 1:
-            self._cascade(query, k_cache, v_cache, meta, scale, decodes, out)
-            done.update(decodes)
+        if grouped:
+            self._cascade(query, k_cache, v_cache, meta, scale, grouped, out)
+            done.update(grouped)
         if len(chunks) > 1:
             self._padded_batch(query, k_cache, v_cache, meta, scale, chunks, out)
             done.update(chunks)
@@ -206,7 +208,7 @@ class TorchOps:
         out[start : start + q_len] = result[0].transpose(0, 1)
 
     def _padded_batch(self, query, k_cache, v_cache, meta, scale, seqs, out) -> None:
-        """Short chunks in one padded SDPA call: one fused kernel instead of one per sequence."""
+        """Short chunks and ungrouped decodes in one padded SDPA call: one fused kernel, not one per sequence."""
         device, block = query.device, k_cache.shape[1]
         q_lens = [meta.query_lens_host[s] for s in seqs]
         width = max(q_lens)
@@ -264,28 +266,39 @@ class TorchOps:
         keep = offsets == torch.arange(width, device=device)[None, :]
         out[rows[keep]] = result[keep].to(out.dtype)
 
+    def _grouped_decodes(self, meta: AttentionMetadata, decodes: list[int], block: int) -> list[int]:
+        """The decodes that share prefix blocks with another decode: cascade attention pays off for them."""
+        plan = self._cascade_plan(meta, decodes, block)
+        members = sorted(i for group, _ in plan.groups for i in group)
+        if len(members) == len(decodes):
+            return decodes
+        return [decodes[i] for i in members] if len(members) > 1 else []
+
     def _cascade_plan(self, meta: AttentionMetadata, seqs: list[int], block: int) -> CascadePlan:
         """Which blocks each group shares: computed once per step, reused by every layer."""
         if self._plan_for is meta and self._plan_seqs == seqs:
             return self._plan
         tables = meta.block_tables.tolist()
         first_query_block = {s: (meta.seq_lens_host[s] - meta.query_lens_host[s]) // block for s in seqs}
-        by_first: dict[int, list[int]] = {}
+        # A sequence's shared prefix: its leading blocks (wholly before its queries) that another sequence
+        # of the batch holds too. Sequences with the same shared prefix form a group: in a prefix-ordered
+        # batch that is the deepest level they share (a document under a system prompt), not just the first.
+        holders = Counter(b for s in seqs for b in tables[s][: first_query_block[s]])
+        by_prefix: dict[tuple[int, ...], list[int]] = {}
         for i, s in enumerate(seqs):
-            if first_query_block[s] > 0:
-                by_first.setdefault(tables[s][0], []).append(i)
+            count = 0
+            while count < first_query_block[s] and holders[tables[s][count]] > 1:
+                count += 1
+            if count:
+                by_prefix.setdefault(tuple(tables[s][:count]), []).append(i)
         shared_count = [0] * len(seqs)
         groups = []
-        for members in by_first.values():
+        for prefix, members in by_prefix.items():
             if len(members) < 2:
                 continue
-            limit = min(first_query_block[seqs[i]] for i in members)  # blocks wholly before every query
-            count = 0
-            while count < limit and len({tables[seqs[i]][count] for i in members}) == 1:
-                count += 1
             for i in members:
-                shared_count[i] = count
-            groups.append((members, tables[seqs[members[0]]][:count]))
+                shared_count[i] = len(prefix)
+            groups.append((members, list(prefix)))
         needed = [-(-meta.seq_lens_host[s] // block) - shared_count[i] for i, s in enumerate(seqs)]
         width = max(needed)
         own = [tables[s][shared_count[i] : shared_count[i] + needed[i]] + [0] * (width - needed[i])
