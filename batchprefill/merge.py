@@ -26,17 +26,16 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import hydra
 import pyarrow as pa
 import pyarrow.parquet as pq
 from omegaconf import DictConfig
 
+from batchprefill.cli import hydra_app
 from batchprefill.errors import JobError
 from batchprefill.order import assign_shards
 from batchprefill.prepare import partition_path
 from batchprefill.writer import write_atomic, write_records
 
-CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")
 SUMMED = ("num_requests", "num_errors", "prompt_tokens", "cached_tokens", "computed_prompt_tokens",
           "output_tokens", "evicted_blocks", "preemptions")
 PEAKS = ("active_blocks", "reclaimable_blocks", "free_blocks", "wall_seconds")
@@ -45,8 +44,10 @@ PART_NAME = re.compile(r"part-(\d+)-")  # results/part-<shard>-<stamp>-<n>.parqu
 SHOWN = 5  # ids named in the one-line report
 
 
-class Incomplete(Exception):
+class Incomplete(JobError):
     """Results are missing or duplicated: the message is the one line that says which and what to rerun."""
+
+    exit_status = 1
 
 
 @dataclass
@@ -192,24 +193,11 @@ def _shards_for_report(configured: int | None, from_stats: int, parts: dict[str,
     return max(from_stats, from_parts)
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def _app(cfg: DictConfig) -> None:
-    try:
-        print(merge(cfg), file=sys.stderr)
-    except Incomplete as error:
-        print(f"batchprefill-merge: error: {error}", file=sys.stderr)
-        sys.exit(1)
-    except JobError as error:
-        print(f"batchprefill-merge: error: {error}", file=sys.stderr)
-        sys.exit(2)
+def _merge_and_report(cfg: DictConfig) -> None:
+    print(merge(cfg), file=sys.stderr)
 
 
-def main() -> None:
-    """Run as job name `run`, so the default `output.dir` (outputs/${hydra:job.name}) is batchprefill-run's."""
-    if not any(arg.startswith("hydra.job.name=") for arg in sys.argv[1:]):
-        sys.argv.append("hydra.job.name=run")
-    _app()
-
+main = hydra_app("batchprefill-merge", _merge_and_report)
 
 if __name__ == "__main__":
     main()

@@ -13,18 +13,17 @@ cache holding only the current path would reach, the baseline that prefix orderi
 from __future__ import annotations
 
 import os
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import hydra
 import pyarrow as pa
 import pyarrow.parquet as pq
 from omegaconf import DictConfig
 
 from batchprefill import settings
+from batchprefill.cli import hydra_app
 from batchprefill.errors import JobError
 from batchprefill.order import groups, prefix_order, reusable_tokens, shared_blocks
 from batchprefill.prepare import ERROR, NAMESPACE, ROW, TOKENS, partition_path
@@ -35,7 +34,6 @@ if TYPE_CHECKING:  # both pull in heavy packages the entry point loads only afte
 
     from batchprefill.model.llama import ModelConfig
 
-CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")
 BITS_PER_BYTE = 8
 
 # FLOP counts overflow int64 for large jobs on large models (2 x 1e10 tokens x 7e10 parameters): float64.
@@ -248,14 +246,7 @@ def print_report(row: dict, link_gbps: float, out: Path) -> None:
     )
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def main(cfg: DictConfig) -> None:
-    try:
-        plan_job(cfg)
-    except JobError as error:
-        print(f"batchprefill: error: {error}", file=sys.stderr)
-        sys.exit(2)
-
+main = hydra_app("batchprefill", plan_job)
 
 if __name__ == "__main__":
     main()
