@@ -21,7 +21,6 @@ class PaddedDecode:
                  max_num_seqs: int, device: torch.device, capture: bool):
         self.model = model
         self.kv_caches = kv_caches
-        self.block_size = block_size
         self.sizes = [b for b in BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
         largest = self.sizes[-1]
         max_len = model.config.max_positions

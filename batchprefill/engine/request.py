@@ -54,15 +54,14 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token(self, index: int) -> int:
-        prompt = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < prompt else self.output_token_ids[index - prompt]
-
     def tokens(self, start: int, stop: int) -> list[int]:
-        prompt = self.prompt_token_ids
-        if stop <= len(prompt):
+        """Token ids start..stop of prompt + output, copying only that span (decodes read one token)."""
+        prompt, size = self.prompt_token_ids, len(self.prompt_token_ids)
+        if stop <= size:
             return prompt[start:stop]
-        return (prompt + self.output_token_ids)[start:stop]
+        if start >= size:
+            return self.output_token_ids[start - size : stop - size]
+        return prompt[start:] + self.output_token_ids[: stop - size]
 
     @property
     def is_decoding(self) -> bool:

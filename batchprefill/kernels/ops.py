@@ -172,7 +172,8 @@ class TorchOps:
         lens = meta.query_lens_host
         decodes = [s for s, n in enumerate(lens) if n == 1]
         grouped = self._grouped_decodes(meta, decodes, k_cache.shape[1]) if len(decodes) > 1 else []
-        chunks = [s for s, n in enumerate(lens) if n <= SHORT_CHUNK and s not in set(grouped)]
+        in_groups = set(grouped)
+        chunks = [s for s, n in enumerate(lens) if n <= SHORT_CHUNK and s not in in_groups]
         done: set[int] = set()
         if grouped:
             self._cascade(query, k_cache, v_cache, meta, scale, grouped, out)
