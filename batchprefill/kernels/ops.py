@@ -12,12 +12,13 @@ Layouts:
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from batchprefill.kernels.prefix_groups import GroupBatch, batch_groups, find_groups, group_attention, lay_out
 
 
 @dataclass
@@ -100,54 +101,7 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(middle, blended, scaled)
 
 
-SHORT_CHUNK = 64  # chunks up to this many queries share one padded attention call
-
-
-@dataclass
-class CascadePlan:
-    """How a batch of short chunks splits its attention between shared prefixes and own blocks."""
-
-    own_blocks: list[list[int]]  # per sequence: its blocks after the shared part, padded with block 0
-    first_own_block: list[int]  # per sequence: index of its first own block in its table
-    groups: list[tuple[list[int], list[int]]]  # (member rows, shared block ids)
-
-
-def _padded_rows(meta: AttentionMetadata, seqs: list[int], width: int, device: torch.device):
-    """Row j of sequence s holds its query j (padding rows repeat its last one), at position
-    seq_len - q_len + j: (offsets, flat-batch rows, positions), each `[S, width]`."""
-    q_lens = [meta.query_lens_host[s] for s in seqs]
-    offsets = torch.tensor([min(j, n - 1) for n in q_lens for j in range(width)], device=device).view(-1, width)
-    index = torch.tensor(seqs, device=device)
-    rows = meta.query_start[index].long()[:, None] + offsets
-    positions = (meta.seq_lens[index].long() - torch.tensor(q_lens, device=device))[:, None] + offsets
-    return offsets, rows, positions
-
-
-def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """[S, W, Hq, D] -> [S, Hkv, G*W, D]: each KV head with the G query heads that read it."""
-    s, w, hq, d = q.shape
-    return q.view(s, w, num_kv_heads, hq // num_kv_heads, d).permute(0, 2, 3, 1, 4).reshape(s, num_kv_heads, -1, d)
-
-
-def _ungrouped(x: torch.Tensor, width: int) -> torch.Tensor:
-    """[S, Hkv, G*W, D] -> [S, W, Hq, D]."""
-    s, hkv, gw, d = x.shape
-    return x.view(s, hkv, gw // width, width, d).permute(0, 3, 1, 2, 4).reshape(s, width, -1, d)
-
-
-def _attend(q, k, v, scale, mask):
-    """Softmax attention that also returns the log-sum-exp of the scores, so partial results can merge."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
-
-
-def _merge(out_a, lse_a, out_b, lse_b):
-    """Combine attention over two disjoint key sets from their outputs and log-sum-exps."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None], lse
+SHORT_CHUNK = 64  # decodes and chunks up to this many queries go through shared-prefix group attention
 
 
 class TorchOps:
@@ -156,9 +110,10 @@ class TorchOps:
     graph_safe_decode = False  # its batched decode builds index tensors on the host
 
     def __init__(self) -> None:
-        self._plan_for: AttentionMetadata | None = None  # the step the cached cascade plan belongs to
-        self._plan_seqs: list[int] = []
-        self._plan: CascadePlan | None = None
+        self._batches_for: AttentionMetadata | None = None  # the step the cached group batches belong to
+        self._batches: list[GroupBatch] = []
+        self._rope_for: torch.Tensor | None = None  # the positions the cached cos/sin rows belong to
+        self._rope: tuple[torch.Tensor, ...] = ()
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         if bool((slot_mapping < 0).any()):  # only padded batches skip rows: avoid masking the common case
@@ -168,23 +123,33 @@ class TorchOps:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
     def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Decodes and short chunks go through shared-prefix group attention, a few fused calls for the
+        whole step; long chunks, whose attention is real work, run one fused call each."""
         out = torch.empty_like(query)
-        lens = meta.query_lens_host
-        decodes = [s for s, n in enumerate(lens) if n == 1]
-        grouped = self._grouped_decodes(meta, decodes, k_cache.shape[1]) if len(decodes) > 1 else []
-        in_groups = set(grouped)
-        chunks = [s for s, n in enumerate(lens) if n <= SHORT_CHUNK and s not in in_groups]
-        done: set[int] = set()
-        if grouped:
-            self._cascade(query, k_cache, v_cache, meta, scale, grouped, out)
-            done.update(grouped)
-        if len(chunks) > 1:
-            self._padded_batch(query, k_cache, v_cache, meta, scale, chunks, out)
-            done.update(chunks)
-        for s in range(meta.num_seqs):
-            if s not in done:
+        for batch in self._group_batches(meta, query, k_cache):
+            group_attention(query, k_cache, v_cache, scale, batch, out)
+        for s, q_len in enumerate(meta.query_lens_host):
+            if q_len > SHORT_CHUNK:
                 self._one_sequence(query, k_cache, v_cache, meta, scale, s, out)
         return out
+
+    def _group_batches(self, meta: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor) -> list[GroupBatch]:
+        """The step's group batches: built on the first layer, reused by the others.
+
+        Decodes and chunks are grouped apart, so a decode is never padded to a chunk's width.
+        """
+        if self._batches_for is not meta:
+            block, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+            lens, tables = meta.query_lens_host, meta.block_tables.tolist()
+            decodes = [s for s, n in enumerate(lens) if n == 1]
+            chunks = [s for s, n in enumerate(lens) if 1 < n <= SHORT_CHUNK]
+            self._batches = []
+            for seqs in (decodes, chunks):
+                for batch in batch_groups(find_groups(meta, seqs, tables, block), meta):
+                    self._batches.append(lay_out(batch, meta, block, query.shape[1] // num_kv_heads, query.dtype,
+                                                 query.device))
+            self._batches_for = meta
+        return self._batches
 
     @staticmethod
     def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -208,121 +173,25 @@ class TorchOps:
             result = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = result[0].transpose(0, 1)
 
-    def _padded_batch(self, query, k_cache, v_cache, meta, scale, seqs, out) -> None:
-        """Short chunks and ungrouped decodes in one padded SDPA call: one fused kernel, not one per sequence."""
-        device, block = query.device, k_cache.shape[1]
-        q_lens = [meta.query_lens_host[s] for s in seqs]
-        width = max(q_lens)
-        index = torch.tensor(seqs, device=device)
-        num_blocks = -(-max(meta.seq_lens_host[s] for s in seqs) // block)
-        tables = meta.block_tables[index, :num_blocks].long().flatten()
-        span = num_blocks * block  # whole blocks: the mask hides what lies past each length
-        keys = k_cache.index_select(0, tables).view(len(seqs), span, *k_cache.shape[2:]).to(query.dtype)
-        values = v_cache.index_select(0, tables).view(len(seqs), span, *v_cache.shape[2:]).to(query.dtype)
-        offsets, rows, positions = _padded_rows(meta, seqs, width, device)
-        mask = torch.arange(span, device=device)[None, None, :] <= positions[:, :, None]
-        result = F.scaled_dot_product_attention(
-            query[rows].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None],
-            scale=scale, enable_gqa=True,
-        ).transpose(1, 2)  # [S, width, Hq, D]
-        keep = offsets == torch.arange(width, device=device)[None, :]
-        out[rows[keep]] = result[keep]
-
-    def _cascade(self, query, k_cache, v_cache, meta, scale, seqs, out) -> None:
-        """Decodes (and any short chunks) together, as cascade attention.
-
-        Sequences of a prefix group point at the same physical blocks for their shared prefix, so the
-        shared blocks are read once per group and attended by all the group's queries together; each
-        sequence then attends to its own remaining blocks in one padded batch, and the two halves are
-        merged by log-sum-exp. Without sharing, the second half alone is the whole attention.
-        """
-        device, block = query.device, k_cache.shape[1]
-        plan = self._cascade_plan(meta, seqs, block)
-        width = max(meta.query_lens_host[s] for s in seqs)
-        offsets, rows, positions = _padded_rows(meta, seqs, width, device)
-        q = _grouped(query[rows], k_cache.shape[2])  # [S, Hkv, G*W, D]
-
-        own_blocks = torch.tensor(plan.own_blocks, device=device)  # [S, R] block ids after the shared part
-        keys = k_cache.index_select(0, own_blocks.flatten()).view(*own_blocks.shape, block, *k_cache.shape[2:])
-        values = v_cache.index_select(0, own_blocks.flatten()).view(*own_blocks.shape, block, *v_cache.shape[2:])
-        keys, values = (x.flatten(1, 2).transpose(1, 2).to(query.dtype) for x in (keys, values))  # [S, Hkv, L, D]
-        key_pos = torch.tensor(plan.first_own_block, device=device)[:, None] * block + torch.arange(
-            keys.shape[2], device=device)[None, :]
-        mask = (key_pos[:, None, :] <= positions[:, :, None]).repeat(1, q.shape[2] // width, 1)[:, None]
-        result, lse = _attend(q, keys, values, scale, mask)
-
-        for members, shared in plan.groups:  # the shared prefix: once per group, for all its queries
-            blocks = torch.tensor(shared, device=device)
-            k = k_cache.index_select(0, blocks).flatten(0, 1).transpose(0, 1).to(query.dtype)  # [Hkv, P, D]
-            v = v_cache.index_select(0, blocks).flatten(0, 1).transpose(0, 1).to(query.dtype)
-            picked = torch.tensor(members, device=device)
-            group_q = q[picked].transpose(0, 1).flatten(1, 2)  # [Hkv, M*G*W, D]
-            shared_out, shared_lse = _attend(group_q, k, v, scale, None)
-            shape = (q.shape[1], len(members), q.shape[2])
-            merged, merged_lse = _merge(
-                result[picked], lse[picked], shared_out.view(*shape, -1).transpose(0, 1),
-                shared_lse.view(shape).transpose(0, 1))
-            result[picked], lse[picked] = merged, merged_lse
-        result = _ungrouped(result, width)  # [S, W, Hq, D]
-        keep = offsets == torch.arange(width, device=device)[None, :]
-        out[rows[keep]] = result[keep].to(out.dtype)
-
-    def _grouped_decodes(self, meta: AttentionMetadata, decodes: list[int], block: int) -> list[int]:
-        """The decodes that share prefix blocks with another decode: cascade attention pays off for them."""
-        plan = self._cascade_plan(meta, decodes, block)
-        members = sorted(i for group, _ in plan.groups for i in group)
-        if len(members) == len(decodes):
-            return decodes
-        return [decodes[i] for i in members] if len(members) > 1 else []
-
-    def _cascade_plan(self, meta: AttentionMetadata, seqs: list[int], block: int) -> CascadePlan:
-        """Which blocks each group shares: computed once per step, reused by every layer."""
-        if self._plan_for is meta and self._plan_seqs == seqs:
-            return self._plan
-        tables = meta.block_tables.tolist()
-        first_query_block = {s: (meta.seq_lens_host[s] - meta.query_lens_host[s]) // block for s in seqs}
-        # A sequence's shared prefix: its leading blocks (wholly before its queries) that another sequence
-        # of the batch holds too. Sequences with the same shared prefix form a group: in a prefix-ordered
-        # batch that is the deepest level they share (a document under a system prompt), not just the first.
-        holders = Counter(b for s in seqs for b in tables[s][: first_query_block[s]])
-        by_prefix: dict[tuple[int, ...], list[int]] = {}
-        for i, s in enumerate(seqs):
-            count = 0
-            while count < first_query_block[s] and holders[tables[s][count]] > 1:
-                count += 1
-            if count:
-                by_prefix.setdefault(tuple(tables[s][:count]), []).append(i)
-        shared_count = [0] * len(seqs)
-        groups = []
-        for prefix, members in by_prefix.items():
-            if len(members) < 2:
-                continue
-            for i in members:
-                shared_count[i] = len(prefix)
-            groups.append((members, list(prefix)))
-        needed = [-(-meta.seq_lens_host[s] // block) - shared_count[i] for i, s in enumerate(seqs)]
-        width = max(needed)
-        own = [tables[s][shared_count[i] : shared_count[i] + needed[i]] + [0] * (width - needed[i])
-               for i, s in enumerate(seqs)]
-        self._plan_for, self._plan_seqs = meta, seqs
-        self._plan = CascadePlan(own, shared_count, groups)
-        return self._plan
-
     def rms_norm(self, x, weight, eps, residual=None):
         if residual is not None:
             x = x + residual
         x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        return (normed * weight.float()).to(x.dtype), x
+        inverse_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
+        return (x32 * inverse_rms).mul_(weight).to(x.dtype), x
 
     def rope(self, query, key, positions, cos_sin):
-        table = cos_sin[positions]
-        half = table.shape[-1] // 2
-        cos, sin = table[:, None, :half], table[:, None, half:]
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        if self._rope_for is not positions:  # every layer of a step rotates by the same positions
+            table = cos_sin[positions]
+            half = table.shape[-1] // 2
+            cos, sin = table[:, None, :half], table[:, None, half:]
+            self._rope_for, self._rope = positions, (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
+        return _rotate(query, *self._rope), _rotate(key, *self._rope)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in three ops: x * cos + (x2, x1) * (-sin, sin)."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    x32 = x.float()
+    swapped = torch.cat([x32[..., half:], x32[..., :half]], dim=-1)
+    return torch.addcmul(x32 * cos, swapped, signed_sin).to(x.dtype)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from batchprefill.kernels.linear import Linear
 from batchprefill.kernels.ops import AttentionMetadata, Ops, rope_cos_sin
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": False, "Qwen2ForCausalLM": True}  # name -> qkv bias
@@ -75,7 +76,7 @@ class ModelConfig:
 
 
 class LlamaModel(torch.nn.Module):
-    """Weights held as fused tensors (QKV in one matrix, gate and up in one) to halve the op count."""
+    """Weights held as fused linears (QKV in one matrix, gate and up in one) to halve the op count."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], ops: Ops):
         super().__init__()
@@ -83,7 +84,7 @@ class LlamaModel(torch.nn.Module):
         self.ops = ops
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
-        self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = Linear(self.embed if config.tie_word_embeddings else weights["lm_head.weight"])
         self.layers = [_layer_weights(weights, f"model.layers.{i}.", config.qkv_bias) for i in range(config.num_layers)]
         self.cos_sin = rope_cos_sin(config.head_dim, config.max_positions, config.rope_theta, config.rope_scaling).to(
             self.embed.device
@@ -106,7 +107,7 @@ class LlamaModel(torch.nn.Module):
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             normed, residual = ops.rms_norm(hidden, layer["input_norm"], cfg.rms_norm_eps, residual)
-            qkv = F.linear(normed, layer["qkv"], layer.get("qkv_bias"))
+            qkv = layer["qkv"](normed)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -114,28 +115,26 @@ class LlamaModel(torch.nn.Module):
             q, k = ops.rope(q, k, positions, self.cos_sin)
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.attention(q, k_cache, v_cache, meta, self.scale)
-            hidden = F.linear(attn.view(-1, q_size), layer["o"])
+            hidden = layer["o"](attn.view(-1, q_size))
             normed, residual = ops.rms_norm(hidden, layer["post_norm"], cfg.rms_norm_eps, residual)
-            gate, up = F.linear(normed, layer["gate_up"]).chunk(2, dim=-1)
-            hidden = F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = layer["gate_up"](normed).chunk(2, dim=-1)
+            hidden = layer["down"](F.silu(gate) * up)
         last = hidden[logits_rows] + residual[logits_rows]
         normed, _ = ops.rms_norm(last, self.final_norm, cfg.rms_norm_eps)
-        return F.linear(normed, self.lm_head).float()
+        return self.lm_head(normed).float()
 
 
-def _layer_weights(weights: dict[str, torch.Tensor], prefix: str, qkv_bias: bool) -> dict[str, torch.Tensor]:
+def _layer_weights(weights: dict[str, torch.Tensor], prefix: str, qkv_bias: bool) -> dict:
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
-    layer = {
+    bias = torch.cat([weights[attn + f"{p}_proj.bias"] for p in "qkv"]) if qkv_bias else None
+    return {
         "input_norm": weights[prefix + "input_layernorm.weight"],
         "post_norm": weights[prefix + "post_attention_layernorm.weight"],
-        "qkv": torch.cat([weights[attn + f"{p}_proj.weight"] for p in "qkv"]),
-        "o": weights[attn + "o_proj.weight"],
-        "gate_up": torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]),
-        "down": weights[mlp + "down_proj.weight"],
+        "qkv": Linear(torch.cat([weights[attn + f"{p}_proj.weight"] for p in "qkv"]), bias),
+        "o": Linear(weights[attn + "o_proj.weight"]),
+        "gate_up": Linear(torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])),
+        "down": Linear(weights[mlp + "down_proj.weight"]),
     }
-    if qkv_bias:
-        layer["qkv_bias"] = torch.cat([weights[attn + f"{p}_proj.bias"] for p in "qkv"])
-    return layer
 
 
 def load_weights(folder: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:

@@ -1,0 +1,34 @@
+"""Linear layers whose weights are laid out once, at load, for the device's matrix-multiply library.
+
+On a CPU, `F.linear` hands the plain `[out, in]` weight to the BLAS, which re-packs it into its blocked
+layout on every call. oneDNN can take the weight already reordered: on this model's shapes that is 1.1-1.5x
+faster for prefill chunks and 1.2-3x for decode batches and the LM head (BENCHMARKS.md, "CPU matmul").
+GPUs and dtypes oneDNN does not take keep `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def onednn_packs(weight: torch.Tensor) -> bool:
+    """Whether this weight can run as a prepacked oneDNN matmul."""
+    return weight.device.type == "cpu" and weight.dtype in ONEDNN_DTYPES and torch.backends.mkldnn.is_available()
+
+
+class Linear:
+    """`y = x @ weight.T + bias`, with the weight prepacked where the device allows it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.packed = prepack and onednn_packs(weight)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if self.packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)

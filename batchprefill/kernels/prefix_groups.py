@@ -1,0 +1,155 @@
+"""Shared-prefix attention for a step's decodes and short chunks, as a few padded fused calls.
+
+In a prefix-ordered batch, many sequences of a step point at the same physical blocks for their shared
+prefix (a system prompt, a document). Each group's keys are laid out once: its shared blocks, then each
+member's own blocks. All the group's queries attend to that one key set in a single fused call, under a
+mask that shows each query the shared part and its own blocks up to its position. A shared block is read
+once per group, not once per member, and a layer runs a fixed handful of ops however many groups there are.
+
+Groups are padded to a common size, so groups of very different sizes go to different batches (each
+batch costs at most twice its unpadded work). The plan is built once per step, on the host, and reused
+by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from batchprefill.kernels.ops import AttentionMetadata
+
+PADDING_BUDGET = 2.0  # a batch's padded query-key pairs stay within this multiple of its real ones
+
+
+@dataclass
+class Group:
+    """Sequences (step indices) whose first `shared` blocks are the same physical blocks."""
+
+    shared: int
+    members: list[int]
+    keys: list[int]  # the group's key blocks: the shared ones, then each member's own
+    own_spans: list[tuple[int, int]]  # per member: where its own blocks sit in `keys` (start, count)
+
+
+@dataclass
+class GroupBatch:
+    """Padded groups for one fused attention call: `[NG]` groups of up to M members, W queries each."""
+
+    rows: torch.Tensor  # [NG, M, W] flat-batch row of each query (padding repeats a real one)
+    real: torch.Tensor | None  # positions of the real queries in rows.flatten(); None when nothing is padding
+    real_rows: torch.Tensor  # their flat-batch rows
+    key_blocks: torch.Tensor  # [NG, B] block ids, padded with block 0
+    mask: torch.Tensor  # [NG, 1, M*G*W, B*block] additive: 0 where a query sees the key, -inf where not
+
+
+def find_groups(meta: AttentionMetadata, seqs: list[int], tables: list[list[int]], block: int) -> list[Group]:
+    """Group the sequences by the deepest run of leading blocks they share with another sequence of the set.
+
+    Only blocks wholly before a sequence's first query count as shared: the block it is writing is its own.
+    In a prefix-ordered batch the deepest shared level is a document under a system prompt, not just the
+    system prompt. A sequence that shares nothing is a group of its own.
+    """
+    first_query_block = {s: (meta.seq_lens_host[s] - meta.query_lens_host[s]) // block for s in seqs}
+    holders: dict[int, int] = {}
+    for s in seqs:
+        for b in tables[s][: first_query_block[s]]:
+            holders[b] = holders.get(b, 0) + 1
+    by_prefix: dict[tuple[int, ...], list[int]] = {}
+    for s in seqs:
+        count = 0
+        while count < first_query_block[s] and holders[tables[s][count]] > 1:
+            count += 1
+        by_prefix.setdefault(tuple(tables[s][:count]), []).append(s)
+    groups = []
+    for prefix, members in by_prefix.items():
+        if prefix and len(members) == 1:  # its "shared" blocks are shared with a deeper group, not here
+            prefix = ()
+        for chunk in ([members] if prefix else [[s] for s in members]):
+            keys, spans = list(prefix), []
+            for s in chunk:
+                own = tables[s][len(prefix) : -(-meta.seq_lens_host[s] // block)]
+                spans.append((len(keys), len(own)))
+                keys += own
+            groups.append(Group(len(prefix), chunk, keys, spans))
+    return groups
+
+
+def batch_groups(groups: list[Group], meta: AttentionMetadata) -> list[list[Group]]:
+    """Split groups into batches whose padding stays within PADDING_BUDGET of their real work."""
+
+    def cost(g: Group) -> int:
+        return len(g.members) * max(meta.query_lens_host[s] for s in g.members) * len(g.keys)
+
+    batches: list[list[Group]] = []
+    for group in sorted(groups, key=cost):
+        if batches:
+            batch = batches[-1] + [group]
+            members = max(len(g.members) for g in batch)
+            width = max(meta.query_lens_host[s] for g in batch for s in g.members)
+            padded = len(batch) * members * width * max(len(g.keys) for g in batch)
+            if padded <= PADDING_BUDGET * sum(cost(g) for g in batch):
+                batches[-1] = batch
+                continue
+        batches.append([group])
+    return batches
+
+
+def lay_out(batch: list[Group], meta: AttentionMetadata, block: int, heads_per_kv: int, dtype: torch.dtype,
+            device: torch.device) -> GroupBatch:
+    """The index tensors and mask of one batch of groups."""
+    num_groups = len(batch)
+    members = max(len(g.members) for g in batch)
+    width = max(meta.query_lens_host[s] for g in batch for s in g.members)
+    num_keys = max(len(g.keys) for g in batch) * block
+    query_start = meta.query_start.tolist()
+    rows = np.zeros((num_groups, members, width), dtype=np.int64)
+    keep = np.zeros((num_groups, members, width), dtype=bool)
+    visible = np.zeros((num_groups, members, width, num_keys), dtype=bool)
+    key_blocks = np.zeros((num_groups, num_keys // block), dtype=np.int64)
+    for g, group in enumerate(batch):
+        key_blocks[g, : len(group.keys)] = group.keys
+        for m in range(members):
+            real = m < len(group.members)
+            s = group.members[min(m, len(group.members) - 1)]  # padding members repeat the last real one
+            q_len, seq_len = meta.query_lens_host[s], meta.seq_lens_host[s]
+            offsets = np.minimum(np.arange(width), q_len - 1)
+            rows[g, m] = query_start[s] + offsets
+            keep[g, m] = real & (np.arange(width) < q_len)
+            positions = seq_len - q_len + offsets  # absolute position of each query
+            visible[g, m, :, : group.shared * block] = True
+            start, count = group.own_spans[min(m, len(group.members) - 1)]
+            own_positions = group.shared * block + np.arange(count * block)  # absolute position of each own key
+            visible[g, m, :, start * block : (start + count) * block] = own_positions[None, :] <= positions[:, None]
+    # query rows are (member, head in group, query): the mask repeats over the heads that share a KV head
+    visible = np.repeat(visible[:, :, None], heads_per_kv, axis=2).reshape(num_groups, 1, -1, num_keys)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~torch.from_numpy(visible).to(device), float("-inf"))
+    to = lambda array: torch.from_numpy(array).to(device)  # noqa: E731
+    real = np.flatnonzero(keep)
+    return GroupBatch(rows=to(rows), real=None if keep.all() else to(real), real_rows=to(rows.reshape(-1)[real]),
+                      key_blocks=to(key_blocks), mask=mask)
+
+
+def group_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                    batch: GroupBatch, out: torch.Tensor) -> None:
+    """One fused attention call for a batch of groups; writes each real query's result into `out`."""
+    num_groups, members, width = batch.rows.shape
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    heads_per_kv = query.shape[1] // num_kv_heads
+    q = query[batch.rows].view(num_groups, members, width, num_kv_heads, heads_per_kv, head_dim)
+    q = q.permute(0, 3, 1, 4, 2, 5).reshape(num_groups, num_kv_heads, -1, head_dim)  # rows (member, head, query)
+    blocks = batch.key_blocks.flatten()
+    keys = k_cache.index_select(0, blocks).view(num_groups, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, blocks).view(num_groups, -1, num_kv_heads, head_dim).transpose(1, 2)
+    result = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=batch.mask,
+                                            scale=scale)
+    result = result.view(num_groups, num_kv_heads, members, heads_per_kv, width, head_dim)
+    result = result.permute(0, 2, 4, 1, 3, 5).reshape(num_groups * members * width, -1, head_dim)
+    if batch.real is not None:
+        result = result.index_select(0, batch.real)
+    out.index_copy_(0, batch.real_rows, result.to(out.dtype))

@@ -1,0 +1,136 @@
+"""The CPU path's two hot spots, each side by side with the plain torch call it replaced, in one run.
+
+    python benchmarks/cpu_ops.py                      # SmolLM2-135M's shapes, 2 threads
+    python benchmarks/cpu_ops.py --out benchmarks/cpu_ops.json
+
+1. Linear layers: `F.linear` (the BLAS re-packs the weight on every call) against `Linear`, whose weight
+   oneDNN reordered once at load. Shapes: the fused QKV, O, gate+up and down projections and the LM head,
+   at 1 token, a 96-row decode batch and a 2048-token prefill step.
+2. Decode attention with shared prefixes: 96 decodes in 24 groups of 4 (a 400-token prefix shared by each
+   group, 40 own tokens each), through shared-prefix group attention against each sequence gathering its
+   whole context into one padded fused call (what the torch path did before prefix groups).
+
+Times are medians of repeated calls after warm-up; ratios are what carry to other machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from batchprefill import malloc
+from batchprefill.kernels.linear import Linear
+from batchprefill.kernels.ops import AttentionMetadata, TorchOps
+
+HIDDEN, INTERMEDIATE, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 49152, 9, 3, 64
+PROJECTIONS = {"qkv": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "o": (HIDDEN, HIDDEN),
+               "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE), "lm_head": (VOCAB, HIDDEN)}
+
+
+def median_ms(fn, repeat: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def linear_rows(repeat: int) -> list[dict]:
+    rows = []
+    for tokens in (1, 96, 2048):
+        for name, (out_features, in_features) in PROJECTIONS.items():
+            if name == "lm_head" and tokens == 2048:
+                continue  # logits are computed only for the rows that sample
+            weight = torch.randn(out_features, in_features) / in_features**0.5
+            x = torch.randn(tokens, in_features)
+            packed = Linear(weight)
+            plain = median_ms(lambda: F.linear(x, weight), repeat)  # noqa: B023
+            ours = median_ms(lambda: packed(x), repeat)  # noqa: B023
+            flops = 2 * tokens * out_features * in_features
+            rows.append({"op": f"linear {name}", "tokens": tokens, "baseline_ms": plain, "ours_ms": ours,
+                         "speedup": plain / ours, "ours_gflops": flops / ours / 1e6})
+    return rows
+
+
+def decode_batch(groups: int = 24, members: int = 4, prefix: int = 400, own: int = 40, block: int = 16):
+    """A decode step of prefix groups over a random KV cache: (query, k_cache, v_cache, meta)."""
+    generator = torch.Generator().manual_seed(0)
+    prefix_blocks, own_blocks = -(-prefix // block), -(-own // block)
+    num_blocks = groups * (prefix_blocks + members * own_blocks) + 1
+    k_cache = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM, generator=generator)
+    v_cache = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM, generator=generator)
+    tables, next_block = [], 1
+    for _ in range(groups):
+        shared = list(range(next_block, next_block + prefix_blocks))
+        next_block += prefix_blocks
+        for _ in range(members):
+            tables.append(shared + list(range(next_block, next_block + own_blocks)))
+            next_block += own_blocks
+    seq_lens = [prefix_blocks * block + own] * len(tables)
+    width = max(map(len, tables))
+    meta = AttentionMetadata(
+        query_start=torch.arange(len(tables) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.zeros(len(tables), dtype=torch.int64), query_lens_host=[1] * len(tables),
+        seq_lens_host=seq_lens)
+    query = torch.randn(len(tables), HEADS, HEAD_DIM, generator=generator)
+    return query, k_cache, v_cache, meta
+
+
+def padded_per_sequence(query, k_cache, v_cache, meta, scale):
+    """The baseline: every decode gathers its whole context, all in one padded fused call."""
+    block = k_cache.shape[1]
+    span = max(meta.seq_lens_host)
+    blocks = meta.block_tables[:, : -(-span // block)].long()
+    keys = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [S, Hkv, L, D]
+    values = v_cache[blocks].flatten(1, 2).transpose(1, 2)
+    visible = torch.arange(keys.shape[2])[None, :] < meta.seq_lens.long()[:, None]
+    return F.scaled_dot_product_attention(query[:, :, None], keys, values, attn_mask=visible[:, None, None],
+                                          scale=scale, enable_gqa=True)[:, :, 0]
+
+
+def attention_rows(repeat: int) -> list[dict]:
+    query, k_cache, v_cache, meta = decode_batch()
+    scale = HEAD_DIM**-0.5
+    ops = TorchOps()
+    ours_out, base_out = ops.attention(query, k_cache, v_cache, meta, scale), padded_per_sequence(
+        query, k_cache, v_cache, meta, scale)
+    assert torch.allclose(ours_out, base_out, atol=1e-4), "group attention disagrees with the baseline"
+    plain = median_ms(lambda: padded_per_sequence(query, k_cache, v_cache, meta, scale), repeat)
+    ours = median_ms(lambda: ops.attention(query, k_cache, v_cache, meta, scale), repeat)  # plan cached per step
+    return [{"op": "decode attention, 24 groups x 4", "tokens": meta.num_seqs, "baseline_ms": plain, "ours_ms": ours,
+             "speedup": plain / ours, "ours_gflops": None}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    malloc.keep_freed_memory()
+    torch.set_num_threads(args.threads)
+    with torch.inference_mode():
+        rows = linear_rows(args.repeat) + attention_rows(args.repeat)
+    print("| op | tokens | baseline ms | ours ms | speedup | ours GFLOP/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        gflops = f"{row['ours_gflops']:.0f}" if row["ours_gflops"] else ""
+        print(f"| {row['op']} | {row['tokens']} | {row['baseline_ms']:.3f} | {row['ours_ms']:.3f} | "
+              f"{row['speedup']:.2f} | {gflops} |")
+    if args.out:
+        args.out.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
