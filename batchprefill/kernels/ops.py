@@ -101,7 +101,10 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(middle, blended, scaled)
 
 
-SHORT_CHUNK = 64  # decodes and chunks up to this many queries go through shared-prefix group attention
+# Chunks with at most this many query-key pairs go through group attention: at that size a fused call is
+# mostly fixed overhead, so batching pays. Longer chunks are real work and run alone, where the kernel can
+# skip what a causal chunk does not see (a dense mask costs 4 bytes per pair and head group, and is scanned).
+GROUPED_MAX_PAIRS = 1 << 16
 
 
 class TorchOps:
@@ -112,6 +115,7 @@ class TorchOps:
     def __init__(self) -> None:
         self._batches_for: AttentionMetadata | None = None  # the step the cached group batches belong to
         self._batches: list[GroupBatch] = []
+        self._alone: list[int] = []  # the step's chunks too long for group attention
         self._rope_for: torch.Tensor | None = None  # the positions the cached cos/sin rows belong to
         self._rope: tuple[torch.Tensor, ...] = ()
 
@@ -123,26 +127,28 @@ class TorchOps:
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
     def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Decodes and short chunks go through shared-prefix group attention, a few fused calls for the
-        whole step; long chunks, whose attention is real work, run one fused call each."""
+        """Decodes and chunks go through shared-prefix group attention, a few fused calls for the whole
+        step; chunks too long for its dense mask run one fused call each."""
         out = torch.empty_like(query)
         for batch in self._group_batches(meta, query, k_cache):
             group_attention(query, k_cache, v_cache, scale, batch, out)
-        for s, q_len in enumerate(meta.query_lens_host):
-            if q_len > SHORT_CHUNK:
-                self._one_sequence(query, k_cache, v_cache, meta, scale, s, out)
+        for s in self._alone:
+            self._one_sequence(query, k_cache, v_cache, meta, scale, s, out)
         return out
 
     def _group_batches(self, meta: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor) -> list[GroupBatch]:
         """The step's group batches: built on the first layer, reused by the others.
 
-        Decodes and chunks are grouped apart, so a decode is never padded to a chunk's width.
+        Decodes and chunks are grouped apart, so a decode is never padded to a chunk's width; `_alone`
+        gets the chunks too long to group.
         """
         if self._batches_for is not meta:
             block, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
             lens, tables = meta.query_lens_host, meta.block_tables.tolist()
             decodes = [s for s, n in enumerate(lens) if n == 1]
-            chunks = [s for s, n in enumerate(lens) if 1 < n <= SHORT_CHUNK]
+            pairs = [n * seq_len for n, seq_len in zip(lens, meta.seq_lens_host)]
+            chunks = [s for s, n in enumerate(lens) if n > 1 and pairs[s] <= GROUPED_MAX_PAIRS]
+            self._alone = [s for s, n in enumerate(lens) if n > 1 and pairs[s] > GROUPED_MAX_PAIRS]
             self._batches = []
             for seqs in (decodes, chunks):
                 for batch in batch_groups(find_groups(meta, seqs, tables, block), meta):

@@ -67,16 +67,30 @@ def find_groups(meta: AttentionMetadata, seqs: list[int], tables: list[list[int]
         by_prefix.setdefault(tuple(tables[s][:count]), []).append(s)
     groups = []
     for prefix, members in by_prefix.items():
-        if prefix and len(members) == 1:  # its "shared" blocks are shared with a deeper group, not here
-            prefix = ()
-        for chunk in ([members] if prefix else [[s] for s in members]):
-            keys, spans = list(prefix), []
-            for s in chunk:
-                own = tables[s][len(prefix) : -(-meta.seq_lens_host[s] // block)]
-                spans.append((len(keys), len(own)))
-                keys += own
-            groups.append(Group(len(prefix), chunk, keys, spans))
+        group = _layout(prefix, members, meta, tables, block)
+        # Every query of a group scans all its keys, its partners' own blocks included (masked): worth it
+        # only while the shared part outweighs the partners' (decodes, short questions), not for long chunks.
+        alone = [_layout((), [s], meta, tables, block) for s in members]
+        if len(members) > 1 and _pairs(group, meta) <= PADDING_BUDGET * sum(_pairs(g, meta) for g in alone):
+            groups.append(group)
+        else:
+            groups += alone
     return groups
+
+
+def _layout(prefix: tuple[int, ...], members: list[int], meta: AttentionMetadata, tables: list[list[int]],
+            block: int) -> Group:
+    keys, spans = list(prefix), []
+    for s in members:
+        own = tables[s][len(prefix) : -(-meta.seq_lens_host[s] // block)]
+        spans.append((len(keys), len(own)))
+        keys += own
+    return Group(len(prefix), members, keys, spans)
+
+
+def _pairs(group: Group, meta: AttentionMetadata) -> int:
+    """Query-key block pairs a group's fused call computes for its real queries."""
+    return sum(meta.query_lens_host[s] for s in group.members) * len(group.keys)
 
 
 def batch_groups(groups: list[Group], meta: AttentionMetadata) -> list[list[Group]]:
