@@ -100,3 +100,13 @@ def test_half_precision_queries_and_cache_stay_close_to_float32():
     got = TorchOps().attention(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.25)
     assert got.dtype == torch.bfloat16
     assert torch.allclose(got.float(), reference, atol=3e-2, rtol=3e-2)
+
+
+def test_long_chunks_over_a_short_shared_prefix_stay_apart():
+    # one shared block, then 12 own blocks each: grouping would have every query scan its partners' blocks
+    tables = [[1] + list(range(10 + 20 * i, 22 + 20 * i)) for i in range(3)]
+    query, k_cache, v_cache, meta = flat_batch([40, 40, 40], [52, 52, 52], tables, seed=6)
+    groups = find_groups(meta, [0, 1, 2], tables, 4)
+    assert [g.members for g in groups] == [[0], [1], [2]] and all(g.shared == 0 for g in groups)
+    got = TorchOps().attention(query, k_cache, v_cache, meta, 0.25)
+    assert torch.allclose(got, one_by_one(query, k_cache, v_cache, meta, 0.25), atol=1e-5)

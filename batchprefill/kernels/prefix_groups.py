@@ -6,9 +6,10 @@ member's own blocks. All the group's queries attend to that one key set in a sin
 mask that shows each query the shared part and its own blocks up to its position. A shared block is read
 once per group, not once per member, and a layer runs a fixed handful of ops however many groups there are.
 
-Groups are padded to a common size, so groups of very different sizes go to different batches (each
-batch costs at most twice its unpadded work). The plan is built once per step, on the host, and reused
-by every layer.
+Groups are padded to a common size, so groups of very different sizes go to different batches, and
+sequences whose own blocks outweigh what they share (long chunks under a short system prompt) stay apart:
+each batch costs at most PADDING_BUDGET times its real work. The plan is built once per step, on the
+host, and reused by every layer.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from batchprefill.kernels.ops import AttentionMetadata
 
-PADDING_BUDGET = 2.0  # a batch's padded query-key pairs stay within this multiple of its real ones
+# Padding and masked-off work stay within this multiple of the real query-key pairs: in a batch of groups,
+# and inside a group, where every query scans its partners' own blocks too.
+PADDING_BUDGET = 2.0
 
 
 @dataclass
