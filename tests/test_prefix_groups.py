@@ -110,3 +110,13 @@ def test_long_chunks_over_a_short_shared_prefix_stay_apart():
     assert [g.members for g in groups] == [[0], [1], [2]] and all(g.shared == 0 for g in groups)
     got = TorchOps().attention(query, k_cache, v_cache, meta, 0.25)
     assert torch.allclose(got, one_by_one(query, k_cache, v_cache, meta, 0.25), atol=1e-5)
+
+
+def test_a_batch_gathers_at_most_the_key_block_budget(monkeypatch):
+    monkeypatch.setattr("batchprefill.kernels.prefix_groups.MAX_BATCH_KEY_BLOCKS", 8)
+    tables = [[10 + 3 * i, 11 + 3 * i, 12 + 3 * i] for i in range(5)]  # five lone decodes of three blocks each
+    query, k_cache, v_cache, meta = flat_batch([1] * 5, [10, 11, 12, 10, 9], tables, seed=8)
+    batches = batch_groups(find_groups(meta, list(range(5)), tables, 4), meta)
+    assert [len(batch) for batch in batches] == [2, 2, 1]  # 2 x 3 blocks fit in 8, 3 x 3 do not
+    got = TorchOps().attention(query, k_cache, v_cache, meta, 0.25)
+    assert torch.allclose(got, one_by_one(query, k_cache, v_cache, meta, 0.25), atol=1e-5)

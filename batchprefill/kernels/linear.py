@@ -3,7 +3,7 @@
 On a CPU, `F.linear` hands the plain `[out, in]` weight to the BLAS, which re-packs it into its blocked
 layout on every call. oneDNN can take the weight already reordered: on this model's shapes that is 1.1-1.5x
 faster for prefill chunks and 1.2-3x for decode batches and the LM head (BENCHMARKS.md, "CPU matmul").
-GPUs and dtypes oneDNN does not take keep `F.linear`.
+GPUs, and dtypes oneDNN does not take natively, keep `F.linear`.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-
 
 def onednn_packs(weight: torch.Tensor) -> bool:
-    """Whether this weight can run as a prepacked oneDNN matmul."""
-    return weight.device.type == "cpu" and weight.dtype in ONEDNN_DTYPES and torch.backends.mkldnn.is_available()
+    """Whether this weight can run as a prepacked oneDNN matmul: float32 anywhere oneDNN is built in, bfloat16
+    only where the CPU has native bfloat16 instructions (elsewhere oneDNN would emulate them slowly)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (
+        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear:

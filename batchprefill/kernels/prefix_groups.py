@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 # Padding and masked-off work stay within this multiple of the real query-key pairs: in a batch of groups,
 # and inside a group, where every query scans its partners' own blocks too.
 PADDING_BUDGET = 2.0
+MAX_BATCH_KEY_BLOCKS = 1 << 14  # a batch gathers at most this many KV blocks (groups x padded keys), bounding memory
 
 
 @dataclass
@@ -97,7 +98,8 @@ def _pairs(group: Group, meta: AttentionMetadata) -> int:
 
 
 def batch_groups(groups: list[Group], meta: AttentionMetadata) -> list[list[Group]]:
-    """Split groups into batches whose padding stays within PADDING_BUDGET of their real work."""
+    """Split groups into batches whose padding stays within PADDING_BUDGET of their real work and whose
+    gathered keys stay within MAX_BATCH_KEY_BLOCKS (a group larger than that is a batch of its own)."""
 
     def cost(g: Group) -> int:
         return len(g.members) * max(meta.query_lens_host[s] for s in g.members) * len(g.keys)
@@ -108,8 +110,9 @@ def batch_groups(groups: list[Group], meta: AttentionMetadata) -> list[list[Grou
             batch = batches[-1] + [group]
             members = max(len(g.members) for g in batch)
             width = max(meta.query_lens_host[s] for g in batch for s in g.members)
-            padded = len(batch) * members * width * max(len(g.keys) for g in batch)
-            if padded <= PADDING_BUDGET * sum(cost(g) for g in batch):
+            key_blocks = len(batch) * max(len(g.keys) for g in batch)
+            padded = members * width * key_blocks
+            if padded <= PADDING_BUDGET * sum(cost(g) for g in batch) and key_blocks <= MAX_BATCH_KEY_BLOCKS:
                 batches[-1] = batch
                 continue
         batches.append([group])
