@@ -200,16 +200,17 @@ def _tokens_needed(prepared: Prepared, partitions: list[int], max_tokens: int) -
 
 def _num_blocks(cfg: DictConfig, model: ModelConfig, kv_dtype: torch.dtype, device: torch.device,
                 tokens_needed: int) -> int:
-    """The pool from engine.kv_cache_tokens, else from free memory, capped at what the shard can use."""
+    """The pool from engine.kv_cache_tokens, else from free memory; either way capped at what the shard can
+    use, so a generous setting costs no memory (and no time zeroing it) on a small job."""
     size = int(cfg.engine.block_size)
+    usable = -(-tokens_needed // size) + int(cfg.engine.max_num_seqs)
     if cfg.engine.kv_cache_tokens is not None:
-        return max(1, int(cfg.engine.kv_cache_tokens) // size)
+        return max(1, min(int(cfg.engine.kv_cache_tokens) // size, usable))
     per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * torch.finfo(kv_dtype).bits // 8
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0] * GPU_KV_MEMORY_FRACTION
     else:
         free = _available_memory() * CPU_KV_MEMORY_FRACTION
-    usable = -(-tokens_needed // size) + int(cfg.engine.max_num_seqs)
     return max(1, min(int(free // (per_token * size)), usable))
 
 

@@ -120,3 +120,22 @@ def test_a_batch_gathers_at_most_the_key_block_budget(monkeypatch):
     assert [len(batch) for batch in batches] == [2, 2, 1]  # 2 x 3 blocks fit in 8, 3 x 3 do not
     got = TorchOps().attention(query, k_cache, v_cache, meta, 0.25)
     assert torch.allclose(got, one_by_one(query, k_cache, v_cache, meta, 0.25), atol=1e-5)
+
+
+def test_a_long_chunk_after_a_cached_prefix_splits_and_matches_the_masked_call(monkeypatch):
+    monkeypatch.setattr("batchprefill.kernels.ops.SPLIT_CAUSAL_QUERIES", 16)
+    tables = [list(range(10, 20))]
+    query, k_cache, v_cache, meta = flat_batch([22], [37], tables, seed=9)  # 15 cached tokens, 22 new
+    split = torch.full_like(query, float("nan"))
+    TorchOps()._one_sequence(query, k_cache, v_cache, meta, 0.25, 0, split)
+    monkeypatch.setattr("batchprefill.kernels.ops.SPLIT_CAUSAL_QUERIES", 10_000)
+    masked = torch.full_like(query, float("nan"))
+    TorchOps()._one_sequence(query, k_cache, v_cache, meta, 0.25, 0, masked)
+    assert torch.allclose(split, masked, atol=1e-5)
+    # and against the definition: query j at position 15 + j sees keys 0..15 + j
+    keys = k_cache[10:20].flatten(0, 1)[:37].repeat_interleave(3, 1)
+    values = v_cache[10:20].flatten(0, 1)[:37].repeat_interleave(3, 1)
+    scores = torch.einsum("qhd,khd->hqk", query, keys) * 0.25
+    hidden = torch.arange(37)[None, None, :] > (15 + torch.arange(22))[None, :, None]
+    expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), values)
+    assert torch.allclose(split, expected, atol=1e-5)

@@ -107,6 +107,24 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 GROUPED_MAX_PAIRS = 1 << 16
 
 
+# A chunk with this many queries or more, after a cached prefix, attends to the prefix and to itself in two
+# fused calls merged by log-sum-exp: the causal half then skips what its queries cannot see, where one call
+# under a mask computes the whole square (1.2-1.5x at 768-2048 queries; below that, no gain).
+SPLIT_CAUSAL_QUERIES = 768
+
+
+def _cached_then_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int,
+                        scale: float) -> torch.Tensor:
+    """Attention of a chunk `[1, Hq, Q, D]` over `cached` earlier keys and itself (causal), on the CPU."""
+    repeat = q.shape[1] // keys.shape[1]  # the fused CPU kernel wants as many KV heads as query heads
+    keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    prefix_out, prefix_lse = flash(q, keys[:, :, :cached], values[:, :, :cached], 0.0, False, scale=scale)
+    chunk_out, chunk_lse = flash(q, keys[:, :, cached:], values[:, :, cached:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(prefix_lse, chunk_lse)
+    return prefix_out * torch.exp(prefix_lse - lse)[..., None] + chunk_out * torch.exp(chunk_lse - lse)[..., None]
+
+
 class TorchOps:
     """Plain torch ops: the CPU path and the reference for the kernels."""
 
@@ -172,6 +190,8 @@ class TorchOps:
         keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         if q_len == seq_len:  # nothing cached before the chunk: plain causal attention
             result = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        elif q_len >= SPLIT_CAUSAL_QUERIES and q.device.type == "cpu":
+            result = _cached_then_causal(q, keys, values, seq_len - q_len, scale)
         else:  # query j sits at position seq_len - q_len + j and sees keys 0..that position
             key_pos = torch.arange(seq_len, device=query.device)
             query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
