@@ -32,4 +32,3 @@ def test_dtypes_onednn_does_not_take_keep_f_linear():
     assert not layer.packed
     x = torch.randn(3, 8, dtype=torch.float64)
     assert torch.equal(layer(x), F.linear(x, weight))
-    assert not Linear(torch.randn(16, 8), prepack=False).packed

@@ -1,8 +1,9 @@
 """Linear layers whose weights are laid out once, at load, for the device's matrix-multiply library.
 
 On a CPU, `F.linear` hands the plain `[out, in]` weight to the BLAS, which re-packs it into its blocked
-layout on every call. oneDNN can take the weight already reordered: on this model's shapes that is 1.1-1.5x
-faster for prefill chunks and 1.2-3x for decode batches and the LM head (BENCHMARKS.md, "CPU matmul").
+layout on every call. oneDNN can take the weight already reordered: on this model's shapes that is 1.1-1.2x
+faster for prefill steps, 1.2-1.8x for decode batches and 1.9-2.8x for the LM head (BENCHMARKS.md, "The CPU
+path's hot ops against plain torch").
 GPUs, and dtypes oneDNN does not take natively, keep `F.linear`.
 """
 
@@ -24,10 +25,9 @@ def onednn_packs(weight: torch.Tensor) -> bool:
 class Linear:
     """`y = x @ weight.T + bias`, with the weight prepacked where the device allows it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
-        self.out_features, self.in_features = weight.shape
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.bias = bias
-        self.packed = prepack and onednn_packs(weight)
+        self.packed = onednn_packs(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
