@@ -71,14 +71,15 @@ def find_groups(meta: AttentionMetadata, seqs: list[int], tables: list[list[int]
         by_prefix.setdefault(tuple(tables[s][:count]), []).append(s)
     groups = []
     for prefix, members in by_prefix.items():
-        group = _layout(prefix, members, meta, tables, block)
-        # Every query of a group scans all its keys, its partners' own blocks included (masked): worth it
-        # only while the shared part outweighs the partners' (decodes, short questions), not for long chunks.
         alone = [_layout((), [s], meta, tables, block) for s in members]
-        if len(members) > 1 and _pairs(group, meta) <= PADDING_BUDGET * sum(_pairs(g, meta) for g in alone):
-            groups.append(group)
-        else:
-            groups += alone
+        if len(members) > 1:
+            # Every query of a group scans all its keys, its partners' own blocks included (masked): worth it
+            # only while the shared part outweighs the partners' (decodes, short questions), not for long chunks.
+            group = _layout(prefix, members, meta, tables, block)
+            if _pairs(group, meta) <= PADDING_BUDGET * sum(_pairs(g, meta) for g in alone):
+                groups.append(group)
+                continue
+        groups += alone
     return groups
 
 
@@ -101,21 +102,24 @@ def batch_groups(groups: list[Group], meta: AttentionMetadata) -> list[list[Grou
     """Split groups into batches whose padding stays within PADDING_BUDGET of their real work and whose
     gathered keys stay within MAX_BATCH_KEY_BLOCKS (a group larger than that is a batch of its own)."""
 
+    def width(g: Group) -> int:
+        return max(meta.query_lens_host[s] for s in g.members)
+
     def cost(g: Group) -> int:
-        return len(g.members) * max(meta.query_lens_host[s] for s in g.members) * len(g.keys)
+        return len(g.members) * width(g) * len(g.keys)
 
     batches: list[list[Group]] = []
+    shape, real = (0, 0, 0), 0  # the current batch's largest (members, width, keys), and its real work
     for group in sorted(groups, key=cost):
-        if batches:
-            batch = batches[-1] + [group]
-            members = max(len(g.members) for g in batch)
-            width = max(meta.query_lens_host[s] for g in batch for s in g.members)
-            key_blocks = len(batch) * max(len(g.keys) for g in batch)
-            padded = members * width * key_blocks
-            if padded <= PADDING_BUDGET * sum(cost(g) for g in batch) and key_blocks <= MAX_BATCH_KEY_BLOCKS:
-                batches[-1] = batch
-                continue
-        batches.append([group])
+        grown = tuple(max(a, b) for a, b in zip(shape, (len(group.members), width(group), len(group.keys))))
+        key_blocks = (len(batches[-1]) + 1) * grown[2] if batches else 0
+        if (batches and grown[0] * grown[1] * key_blocks <= PADDING_BUDGET * (real + cost(group))
+                and key_blocks <= MAX_BATCH_KEY_BLOCKS):
+            batches[-1].append(group)
+            shape, real = grown, real + cost(group)
+        else:
+            batches.append([group])
+            shape, real = (len(group.members), width(group), len(group.keys)), cost(group)
     return batches
 
 
