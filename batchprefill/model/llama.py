@@ -14,10 +14,16 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from batchprefill.kernels.interface import AttentionMetadata, Ops
 from batchprefill.kernels.linear import Linear
-from batchprefill.kernels.ops import AttentionMetadata, Ops, rope_cos_sin
+from batchprefill.model.rope import rope_cos_sin
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": False, "Qwen2ForCausalLM": True}  # name -> qkv bias
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
+    """One K and one V vector per KV head per layer: the memory (and transfer) price of each token."""
+    return 2 * layers * kv_heads * head_dim * bytes_per_element
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,9 @@ class ModelConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
         )
 
+    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, bytes_per_element)
+
     def num_parameters(self) -> int:
         """Parameters in the linear layers and the LM head: the N of the 2·tokens·N FLOP estimate."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -104,6 +113,7 @@ class LlamaModel(torch.nn.Module):
         cfg, ops = self.config, self.ops
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         hidden = F.embedding(input_ids, self.embed)
+        meta = ops.plan(meta, kv_caches[0][0], cfg.num_heads, hidden.dtype)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             normed, residual = ops.rms_norm(hidden, layer["input_norm"], cfg.rms_norm_eps, residual)

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from batchprefill.errors import JobError
-from batchprefill.kernels.ops import Ops, TorchOps
+from batchprefill.kernels.interface import Ops
+from batchprefill.kernels.torch_ops import TorchOps
 from batchprefill.model.gguf_convert import converted_folder
 from batchprefill.model.llama import LlamaModel, ModelConfig, load_weights
 
@@ -89,18 +90,23 @@ def make_ops(backend: str, device: torch.device) -> Ops:
     raise JobError(f"engine.attention_backend={backend!r}: choose auto, torch or triton")
 
 
+def read_model_config(folder: Path) -> ModelConfig:
+    """The folder's config.json as a ModelConfig; an unsupported or broken one is a job-level fault."""
+    try:
+        return ModelConfig.from_folder(folder)
+    except (ValueError, KeyError) as error:
+        raise JobError(f"model {folder}: {error}") from None
+
+
 @dataclass
 class LoadedModel:
     model: LlamaModel
-    folder: Path
     identity: str
-    dtype: torch.dtype
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: Ops) -> LoadedModel:
-    try:
-        config = ModelConfig.from_folder(folder)
-    except (ValueError, KeyError) as error:
-        raise JobError(f"model {folder}: {error}") from None
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: Ops,
+               config: ModelConfig | None = None, identity: str | None = None) -> LoadedModel:
+    """The model on `device`; a job passes the config and identity it already read while preparing."""
+    config = config or read_model_config(folder)
     model = LlamaModel(config, load_weights(folder, dtype, device), ops)
-    return LoadedModel(model, folder, model_identity(folder), dtype)
+    return LoadedModel(model, identity or model_identity(folder))
