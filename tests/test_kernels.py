@@ -108,7 +108,7 @@ def test_attention(dtype: torch.dtype, case: str) -> None:
     )
     ops = TritonOps(**settings)
     if case == "decode-split":
-        assert ops.decode_split(meta, kv_heads)[1] == 4
+        assert ops.decode_segments(meta, kv_heads) == 4
     got = ops.attention(query, k_cache, v_cache, meta, head_dim**-0.5)
     want = TorchOps().attention(query, k_cache, v_cache, meta, head_dim**-0.5)
     assert_close(got, want, dtype)
@@ -121,7 +121,7 @@ def test_decode_grid_sized_for_longer_contexts() -> None:
     want = TorchOps().attention(query, k_cache, v_cache, meta, 0.2)
     meta.seq_lens_host = [176, 176]
     ops = TritonOps(block_n=16, decode_min_segment=16, decode_target_programs=64)
-    assert ops.decode_split(meta, 2)[1] == 11
+    assert ops.decode_segments(meta, 2) == 11
     assert_close(ops.attention(query, k_cache, v_cache, meta, 0.2), want, torch.float32)
 
 
