@@ -46,14 +46,14 @@ class ModelRunner:
             tables.append(table)
             if start + count == request.num_tokens:
                 sampled.append(index)
-        if self.decoder and len(sampled) == len(ids) and self.decoder.fits(len(ids)):
-            logits = self.decoder.run(ids, np.concatenate(positions).tolist(), np.concatenate(slots).tolist(),
-                                      seq_lens, [t.tolist() for t in tables])
-            return logits, sampled
         width = max(len(t) for t in tables)
         block_tables = np.zeros((len(tables), width), dtype=np.int32)
         for row, table in enumerate(tables):
             block_tables[row, : len(table)] = table
+        if self.decoder and len(sampled) == len(ids) and self.decoder.fits(len(ids)):
+            logits = self.decoder.run(np.asarray(ids), np.concatenate(positions), np.concatenate(slots),
+                                      np.asarray(seq_lens), block_tables)
+            return logits, sampled
         query_start = np.concatenate([[0], np.cumsum(query_lens)])
         rows = query_start[1:][sampled] - 1
         to = lambda array, dtype: torch.from_numpy(np.asarray(array)).to(device=self.device, dtype=dtype)  # noqa: E731
