@@ -1,7 +1,8 @@
 """Paged attention kernels: one prefill kernel for ragged mixed batches, split-K decode with an LSE merge.
 
 Kernels read sequence lengths and offsets from the device; host copies only size grids, so a decode
-launch sized for longer contexts than the real ones still computes the right thing.
+launch sized for longer contexts than the real ones still computes the right thing, and splits each
+context into segments from its true length.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-MAX_SEGMENTS = 64  # the merge kernel holds every segment of one head in registers at once
+# The merge kernel holds every segment of one head in registers at once, always this many wide (masked), so
+# the split depth, which changes from step to step, never compiles a new variant.
+MAX_SEGMENTS = 64
 
 
 def jit_unspecialized(*names: str) -> triton.JITFunction:
@@ -314,6 +317,6 @@ def decode_attention(
     if split:
         _merge_kernel[(num_rows, num_heads)](
             part_out, part_lse, out, seq_index, query_start, seq_lens, min_segment, num_segments, head_dim,
-            *out.stride(), BLOCK_S=triton.next_power_of_2(num_segments), BLOCK_N=block_n, BLOCK_D=block_d,
+            *out.stride(), BLOCK_S=MAX_SEGMENTS, BLOCK_N=block_n, BLOCK_D=block_d,
             INDEXED=indexed,
         )
