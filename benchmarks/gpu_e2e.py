@@ -170,6 +170,8 @@ def _host_wait(steps: list[StepRecord], gpu_ms: dict[int, float], probed_steps: 
         return {"error": f"the probed run took {probed_steps} steps, the timed run {len(steps)}"}
     rows = []
     for record in steps:
+        if record.num_decode_tokens + record.num_prefill_tokens == 0:
+            continue  # a step that ran nothing on the GPU
         gpu = gpu_ms.get(record.step, 0.0)
         rows.append({"step": record.step, "decode_tokens": record.num_decode_tokens,
                      "prefill_tokens": record.num_prefill_tokens, "wall_ms": round(record.duration_ms, 3),

@@ -6,10 +6,9 @@ program and tile iteration, whatever the tile size.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-
-import numpy as np
 
 from batchprefill.engine.decode_graphs import PaddedDecode
 from batchprefill.kernels.ops import AttentionMetadata, TorchOps, rope_cos_sin
