@@ -372,14 +372,16 @@ def main() -> None:
         "device": name, "torch": torch.__version__, "triton": triton.__version__,
         "shape": {"heads": plan.shape.heads, "kv_heads": plan.shape.kv_heads, "head_dim": plan.shape.head_dim,
                   "block_size": plan.block_size, "dtype": str(dtype)},
-        "errors": {}, "seconds": {},
+        "errors": {}, "seconds": {}, "checks": [],
     }
 
     def section(key: str, work: Callable[[], object]) -> object:
         """Run one part; a failure is recorded and printed, and the next part still runs."""
         began = time.time()
         try:
-            results[key] = work()
+            value = work()
+            if value is not None:
+                results[key] = value
         except Exception:  # noqa: BLE001 - one device run must report every part it can
             results["errors"][key] = traceback.format_exc()
             print(f"\n{key} FAILED:\n{results['errors'][key]}")
@@ -388,9 +390,10 @@ def main() -> None:
         return results.get(key)
 
     checker = Checker()
+    results["checks"] = checker.rows  # filled as the checks run
     print("correctness against TorchOps (bf16):")
-    section("kernel_checks", lambda: check_kernels(plan, device, dtype, checker) or checker.rows)
-    section("graph_checks", lambda: check_decode_graph(plan, device, dtype, checker) or checker.rows)
+    section("kernel_checks", lambda: check_kernels(plan, device, dtype, checker))
+    section("graph_checks", lambda: check_decode_graph(plan, device, dtype, checker))
     results["check_failures"] = checker.failures
     timer = Timer(device)
     ceilings = section("ceilings", lambda: measure_ceilings(plan, device, timer))
@@ -406,8 +409,6 @@ def main() -> None:
     timer.flush = None  # 256 MiB back before the end-to-end run
     end_to_end = section("end_to_end", lambda: gpu_e2e.run(args.smoke, device))
     section("goals", lambda: judge_goals(results.get("prefill") or [], results.get("decode") or [], end_to_end))
-    results.pop("kernel_checks", None)
-    results["checks"] = checker.rows
     write_results(args.out, results)
     print(f"\nwrote {args.out}; total {time.time() - start:.0f} s")
     if results["errors"] or checker.failures:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 import triton
@@ -21,7 +22,7 @@ LOG2E = 1.4426950408889634
 MAX_SEGMENTS = 64
 
 
-def jit_unspecialized(*names: str) -> triton.JITFunction:
+def jit_unspecialized(*names: str) -> Callable:
     """`triton.jit` that never specializes `names` (on == 1 or on 16-divisibility): arguments that change
     from step to step would otherwise compile a new variant in the middle of a run. Triton 3.2 and later
     (so 3.6 to 3.9) take both keywords; the signature check keeps an older one importable."""
