@@ -228,3 +228,24 @@ def test_cache_dtype_differs_from_query(specs: list[tuple[int, int]]) -> None:
     k_cache, v_cache = k_cache.half(), v_cache.half()
     want = TorchOps().attention(query, k_cache, v_cache, meta, 0.2)
     assert_close(TritonOps().attention(query, k_cache, v_cache, meta, 0.2), want, torch.float32)
+
+
+def test_fp32_dots_run_as_tf32_only_when_torch_allows_it_else_exact_on_32_token_tiles(monkeypatch) -> None:
+    """What a GPU would launch (the interpreter always runs exact fp32 dots): torch's default 'highest'
+    keeps fp32 exact on half-width KV tiles and warns once; 'high' turns on TF32; bf16 is unaffected."""
+    from batchprefill.kernels import triton_attention, triton_ops
+
+    monkeypatch.setattr(triton_attention, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_ops, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_attention, "_warned_exact_fp32", [])
+    previous = torch.get_float32_matmul_precision()
+    try:
+        with pytest.warns(UserWarning, match="exact"):
+            assert triton_attention.dot_settings(torch.float32) == (False, "ieee")
+        assert TritonOps()._block_n(torch.float32) == 32
+        assert TritonOps()._block_n(torch.bfloat16) == 64
+        torch.set_float32_matmul_precision("high")
+        assert triton_attention.dot_settings(torch.float32) == (False, "tf32")
+        assert TritonOps()._block_n(torch.float32) == 64
+    finally:
+        torch.set_float32_matmul_precision(previous)
