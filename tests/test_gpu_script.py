@@ -1,9 +1,13 @@
 """The GPU benchmark script that a session with a GPU runs must work: its --smoke mode runs every part
-(correctness checks, kernel tables, end-to-end engine) at tiny sizes on the CPU under the interpreter."""
+(correctness checks, kernel tables, end-to-end engine) at tiny sizes on the CPU under the interpreter, and
+its Slurm wrapper runs from any folder."""
 
 import json
+import shutil
 
 from tests.conftest import REPO, run_cli
+
+NO_SLURM = {"BATCHPREFILL_REPO": "", "SLURM_JOB_ID": "", "SLURM_SUBMIT_DIR": ""}
 
 
 def test_gpu_benchmark_smoke_mode_runs_every_section(tmp_path):
@@ -11,8 +15,27 @@ def test_gpu_benchmark_smoke_mode_runs_every_section(tmp_path):
     done = run_cli(["python", str(REPO / "benchmarks" / "gpu.py"), "--smoke", "--out", str(out)])
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
-    assert {"prefill", "decode", "goals", "end_to_end", "ceilings"} <= set(results)
-    on, off = results["end_to_end"]
-    assert on["prefix_caching"] and not off["prefix_caching"]
-    assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"] == on["prompt_tokens"]
-    assert on["output_tokens"] == off["output_tokens"] == on["requests"] * 2
+    assert {"prefill", "decode", "goals", "end_to_end", "ceilings", "checks"} <= set(results)
+    assert results["errors"] == {} and results["check_failures"] == []
+    assert "padded decode vs unpadded forward" in {c["check"] for c in results["checks"]}
+    runs = results["end_to_end"]["runs"]
+    assert [(r["prefix_caching"], r["repeat"]) for r in runs] == [(True, 1), (False, 1), (True, 2), (False, 2)]
+    for on, off in (runs[:2], runs[2:]):
+        assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"] == on["prompt_tokens"]
+        assert on["output_tokens"] == off["output_tokens"] == on["requests"] * 2
+
+
+def test_the_slurm_wrapper_finds_the_repo_from_another_folder(tmp_path):
+    done = run_cli(["bash", str(REPO / "jobs" / "gpu_benchmark.sh"), "--help"], cwd=tmp_path, env=NO_SLURM)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--smoke" in done.stdout
+
+
+def test_a_copy_of_the_slurm_wrapper_outside_the_repo_fails_with_one_line(tmp_path):
+    """sbatch runs a spooled copy: with no Slurm record and no BATCHPREFILL_REPO it must say what to set."""
+    copy = tmp_path / "spool" / "job.sh"
+    copy.parent.mkdir()
+    shutil.copy(REPO / "jobs" / "gpu_benchmark.sh", copy)
+    done = run_cli(["bash", str(copy), "--smoke"], cwd=tmp_path, env=NO_SLURM)
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "BATCHPREFILL_REPO" in done.stderr

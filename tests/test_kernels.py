@@ -6,11 +6,16 @@ program and tile iteration, whatever the tile size.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from batchprefill.engine.decode_graphs import PaddedDecode
+from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.torch_ops import TorchOps
-from batchprefill.kernels.triton_ops import TritonOps
+from batchprefill.kernels.triton_attention import _decode_kernel, _merge_kernel, _prefill_kernel
+from batchprefill.kernels.triton_ops import TritonOps, prefill_warps_and_stages
+from batchprefill.model.llama import LlamaModel, ModelConfig
 from batchprefill.model.rope import rope_cos_sin
 from tests.synthetic import random_paged_batch
 
@@ -109,21 +114,105 @@ def test_attention(dtype: torch.dtype, case: str) -> None:
     )
     ops = TritonOps(**settings)
     if case == "decode-split":
-        assert ops.decode_split(meta, kv_heads)[1] == 4
+        assert ops.decode_segments(meta, kv_heads) == 4
     got = ops.attention(query, k_cache, v_cache, meta, head_dim**-0.5)
     want = TorchOps().attention(query, k_cache, v_cache, meta, head_dim**-0.5)
     assert_close(got, want, dtype)
 
 
-def test_decode_grid_sized_for_longer_contexts() -> None:
+def test_a_decode_grid_planned_for_4096_tokens_splits_contexts_of_121_10_and_301_on_the_device() -> None:
     """Host lengths only size the grid: a launch planned for longer contexts (as a captured CUDA graph is)
-    still reads the true lengths from the device."""
-    query, k_cache, v_cache, meta = random_paged_batch([(120, 1), (9, 1)], 4, 2, 32, 16, torch.float32)
+    reads the true lengths from the device and splits each context there (301 tokens: 10 segments of 32
+    within the grid's 11; 10 tokens: one)."""
+    query, k_cache, v_cache, meta = random_paged_batch([(120, 1), (9, 1), (300, 1)], 4, 2, 32, 16, torch.float32)
     want = TorchOps().attention(query, k_cache, v_cache, meta, 0.2)
-    meta.seq_lens_host = [176, 176]
+    meta.seq_lens_host = [4096] * 3
     ops = TritonOps(block_n=16, decode_min_segment=16, decode_target_programs=64)
-    assert ops.decode_split(meta, 2)[1] == 11
+    assert ops.decode_segments(meta, 2) == 11
     assert_close(ops.attention(query, k_cache, v_cache, meta, 0.2), want, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_of_150_and_130_queries_fill_four_128_row_tiles(dtype: torch.dtype) -> None:
+    """The tile every long chunk uses on a GPU (the interpreter's default is 64 rows), here with head dim 80
+    padded to 128 and a decode beside the chunks."""
+    query, k_cache, v_cache, meta = random_paged_batch([(60, 150), (0, 130), (90, 1)], 4, 2, 80, 16, dtype, seed=5)
+    ops = TritonOps(block_m=128)
+    got = ops.attention(query, k_cache, v_cache, meta, 80**-0.5)
+    assert ops.plan(meta, k_cache, query.shape[1], dtype).plan.tile_map.shape == (4, 2)
+    assert_close(got, TorchOps().attention(query, k_cache, v_cache, meta, 80**-0.5), dtype)
+
+
+def test_a_mixed_step_of_two_chunks_and_three_decodes_tiles_only_the_chunks() -> None:
+    """Single-token rows of a mixed step go to the decode kernel: 50 and 64 queries make 2 + 2 tiles of 32
+    rows, the three decodes are served by index (sequences 2, 3, 4), and every row is written."""
+    specs = [(40, 50), (0, 64), (77, 1), (130, 1), (5, 1)]
+    query, k_cache, v_cache, meta = random_paged_batch(specs, 6, 2, 32, 16, torch.float32, seed=3)
+    ops = TritonOps(block_m=32, decode_min_segment=32)
+    got = ops.attention(query, k_cache, v_cache, meta, 0.25)
+    plan = ops.plan(meta, k_cache, query.shape[1], torch.float32).plan
+    assert plan.tile_map.shape == (4, 2) and set(plan.tile_map[:, 0].tolist()) == {0, 1}
+    assert plan.decode_rows.tolist() == [2, 3, 4]
+    assert plan.decode_rows.data_ptr() % 16 == 0  # its alignment does not depend on the tile count
+    assert_close(got, TorchOps().attention(query, k_cache, v_cache, meta, 0.25), torch.float32)
+
+
+def test_head_dim_96_pads_to_128_so_128_row_tiles_take_eight_warps() -> None:
+    assert prefill_warps_and_stages(128, 96) == (8, 3)
+    assert prefill_warps_and_stages(128, 80) == (8, 3)
+    assert prefill_warps_and_stages(64, 96) == (4, 3)
+    assert prefill_warps_and_stages(64, 192) == (8, 2)
+
+
+def test_arguments_that_change_every_step_are_not_specialized() -> None:
+    """The block table's width and the decode split vary per step: a specialization on them would compile
+    new kernel variants in the middle of a run."""
+    for kernel, names in ((_prefill_kernel, {"stride_table"}), (_decode_kernel, {"stride_table", "min_segment"}),
+                          (_merge_kernel, {"min_segment", "num_segments"})):
+        declared = kernel.kwargs if hasattr(kernel, "kwargs") else vars(kernel)  # interpreter or compiler
+        assert names <= set(declared["do_not_specialize"])
+        assert names <= set(declared["do_not_specialize_on_alignment"])
+
+
+def _tiny_decoder(device: torch.device) -> LlamaModel:
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=1,
+        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+        max_positions=128, tie_word_embeddings=False, qkv_bias=False, eos_token_ids=(0,),
+    )
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"model.embed_tokens.weight": (50, 64), "lm_head.weight": (50, 64), "model.norm.weight": (64,),
+              "model.layers.0.input_layernorm.weight": (64,), "model.layers.0.post_attention_layernorm.weight": (64,),
+              "model.layers.0.self_attn.q_proj.weight": (64, 64), "model.layers.0.self_attn.k_proj.weight": (32, 64),
+              "model.layers.0.self_attn.v_proj.weight": (32, 64), "model.layers.0.self_attn.o_proj.weight": (64, 64),
+              "model.layers.0.mlp.gate_proj.weight": (96, 64), "model.layers.0.mlp.up_proj.weight": (96, 64),
+              "model.layers.0.mlp.down_proj.weight": (64, 96)}
+    weights = {name: (0.3 * torch.randn(shape, generator=gen)).to(device) for name, shape in shapes.items()}
+    return LlamaModel(config, weights, TritonOps())
+
+
+def test_padded_decode_of_3_then_2_rows_matches_the_unpadded_forward_despite_stale_buffers() -> None:
+    """The fixed buffers a CUDA graph replays: a batch of 3 padded to 4 with 5-block tables, then a batch
+    of 2 with 2-block tables over the first step's leftovers, each against the plain forward."""
+    device = torch.device("cpu")
+    model = _tiny_decoder(device)
+    gen = torch.Generator().manual_seed(8)
+    caches = [(torch.randn(12, 8, 2, 16, generator=gen), torch.randn(12, 8, 2, 16, generator=gen))]
+    decoder = PaddedDecode(model, caches, block_size=8, max_num_seqs=4, device=device, capture=False)
+    steps = [([3, 9, 4], [37, 5, 20], [[7, 1, 2, 9, 4], [3, 0, 0, 0, 0], [5, 6, 8, 0, 0]]),
+             ([11, 2], [12, 3], [[10, 11], [0, 0]])]
+    for ids, positions, tables in steps:
+        table = np.asarray(tables, dtype=np.int32)
+        pos = np.asarray(positions)
+        slots = table[np.arange(len(ids)), pos // 8].astype(np.int64) * 8 + pos % 8
+        got = decoder.run(np.asarray(ids), pos, slots, pos + 1, table)
+        meta = AttentionMetadata(
+            query_start=torch.arange(len(ids) + 1, dtype=torch.int32), seq_lens=torch.from_numpy(pos + 1).int(),
+            block_tables=torch.from_numpy(table), slot_mapping=torch.from_numpy(slots),
+            query_lens_host=[1] * len(ids), seq_lens_host=(pos + 1).tolist(),
+        )
+        want = model(torch.tensor(ids), torch.from_numpy(pos), caches, meta, torch.arange(len(ids)))
+        assert_close(got, want, torch.float32)
 
 
 def test_one_ops_object_across_steps() -> None:
@@ -141,3 +230,24 @@ def test_cache_dtype_differs_from_query(specs: list[tuple[int, int]]) -> None:
     k_cache, v_cache = k_cache.half(), v_cache.half()
     want = TorchOps().attention(query, k_cache, v_cache, meta, 0.2)
     assert_close(TritonOps().attention(query, k_cache, v_cache, meta, 0.2), want, torch.float32)
+
+
+def test_fp32_dots_run_as_tf32_only_when_torch_allows_it_else_exact_on_32_token_tiles(monkeypatch) -> None:
+    """What a GPU would launch (the interpreter always runs exact fp32 dots): torch's default 'highest'
+    keeps fp32 exact on half-width KV tiles and warns once; 'high' turns on TF32; bf16 is unaffected."""
+    from batchprefill.kernels import triton_attention, triton_ops
+
+    monkeypatch.setattr(triton_attention, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_ops, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_attention, "_warned_exact_fp32", [])
+    previous = torch.get_float32_matmul_precision()
+    try:
+        with pytest.warns(UserWarning, match="exact"):
+            assert triton_attention.dot_settings(torch.float32) == (False, "ieee")
+        assert TritonOps()._block_n(torch.float32) == 32
+        assert TritonOps()._block_n(torch.bfloat16) == 64
+        torch.set_float32_matmul_precision("high")
+        assert triton_attention.dot_settings(torch.float32) == (False, "tf32")
+        assert TritonOps()._block_n(torch.float32) == 64
+    finally:
+        torch.set_float32_matmul_precision(previous)

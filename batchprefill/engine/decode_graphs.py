@@ -3,37 +3,48 @@ graph and replayed, so a decode step costs one launch instead of hundreds.
 
 A graph replays fixed addresses and fixed launch grids, so every input lives in a persistent buffer,
 the batch is padded up to the next captured size (padding rows write nowhere: slot -1) and the kernels
-are planned for the longest context, reading each sequence's true length from the device.
+are planned for the longest context, reading each sequence's true length from the device (the decode
+kernel splits each context into segments from that length).
+
+Host work per step: vectorized writes into one persistent host buffer (pinned on CUDA), one non-blocking
+copy of it to the device, one device-side copy of the block tables into their fixed-stride buffer, and the
+replay, whose first kernels unpack the rest into the typed buffers the model reads.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from batchprefill.intmath import cdiv
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.model.llama import LlamaModel
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+HEAD_ROWS = 4  # the staged head: token ids, positions, slots, sequence lengths, one row of `size` each
 
 
 class PaddedDecode:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_num_seqs: int, device: torch.device, capture: bool):
+        if kv_caches[0][0].shape[0] * block_size >= 2**31:
+            raise ValueError("the KV pool has more slots than int32 staging can address")
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = [b for b in BATCH_SIZES if b < max_num_seqs] + [max_num_seqs]
         largest = self.sizes[-1]
-        max_len = model.config.max_positions
+        self.max_len = model.config.max_positions
+        self.width = -(-self.max_len // block_size)
         int32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.slots = torch.full((largest,), -1, dtype=torch.int64, device=device)
+        self.longs = torch.zeros(3, largest, dtype=torch.int64, device=device)  # ids, positions, slots
         self.seq_lens = torch.ones(largest, **int32)
-        self.block_tables = torch.zeros(largest, cdiv(max_len, block_size), **int32)
+        self.block_tables = torch.zeros(largest, self.width, **int32)
         self.query_start = torch.arange(largest + 1, **int32)
         self.rows = torch.arange(largest, dtype=torch.int64, device=device)
-        self.max_len = max_len
+        capacity = HEAD_ROWS * largest + largest * self.width
+        self._pinned = device.type == "cuda"
+        self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=self._pinned)
+        self._staged = torch.empty(capacity, **int32)
+        self._copied: torch.cuda.Event | None = None  # the last copy out of `_host`
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self._capture_all(device)
@@ -44,40 +55,57 @@ class PaddedDecode:
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
             query_start=self.query_start[: size + 1], seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size], slot_mapping=self.slots[:size],
+            block_tables=self.block_tables[:size], slot_mapping=self.longs[2, :size],
             query_lens_host=[1] * size, seq_lens_host=[self.max_len] * size,
         )
 
     def _forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size),
+        """Unpack the staged head into the typed buffers, then the model: a graph captures both."""
+        head = self._staged[: HEAD_ROWS * size].view(HEAD_ROWS, size)
+        self.longs[:, :size].copy_(head[:3])
+        self.seq_lens[:size].copy_(head[3])
+        return self.model(self.longs[0, :size], self.longs[1, :size], self.kv_caches, self._meta(size),
                           self.rows[:size])
 
     def _capture_all(self, device: torch.device) -> None:
         pool = torch.cuda.graph_pool_handle()
+        nothing = np.zeros(0, dtype=np.int64)
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-            self._forward(size)  # compile and warm every kernel outside the capture
+            self._stage(size, nothing, nothing, nothing, nothing, np.zeros((0, 0), dtype=np.int32))
+            self._forward(size)  # compile and warm every kernel outside the capture, on padding rows only
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self._forward(size)
             self.graphs[size] = (graph, logits)
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            tables: list[list[int]]) -> torch.Tensor:
-        """Logits `[batch, vocab]` for one decode token per sequence."""
+    def _stage(self, size: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+               seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+        """Write one step into the host buffer (rows past the batch are padding) and copy it over at once."""
+        batch, width = block_tables.shape
+        if width > self.width:
+            raise ValueError(f"a block table of {width} blocks is wider than max_positions allows ({self.width})")
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._host.numpy()
+        head = host[: HEAD_ROWS * size].reshape(HEAD_ROWS, size)
+        for row, values, pad in zip(head, (input_ids, positions, slots, seq_lens), (0, 0, -1, 1), strict=True):
+            row[:batch] = values
+            row[batch:] = pad
+        end = HEAD_ROWS * size + batch * width
+        host[HEAD_ROWS * size : end].reshape(batch, width)[:] = block_tables
+        self._staged[:end].copy_(self._host[:end], non_blocking=True)
+        if self._pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.block_tables[:batch, :width].copy_(self._staged[HEAD_ROWS * size : end].view(batch, width))
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+            block_tables: np.ndarray) -> torch.Tensor:
+        """Logits `[batch, vocab]` for one decode token per sequence; `block_tables` is [batch, width]."""
         batch = len(input_ids)
         size = next(s for s in self.sizes if s >= batch)
-        width = max(len(t) for t in tables)
-        padded_tables = torch.zeros(batch, width, dtype=torch.int32)
-        for row, table in enumerate(tables):
-            padded_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        self.input_ids[:batch].copy_(torch.tensor(input_ids), non_blocking=True)
-        self.positions[:batch].copy_(torch.tensor(positions), non_blocking=True)
-        self.slots[:batch].copy_(torch.tensor(slots), non_blocking=True)
-        self.slots[batch:size].fill_(-1)
-        self.seq_lens[:batch].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
-        self.seq_lens[batch:size].fill_(1)
-        self.block_tables[:batch, :width].copy_(padded_tables, non_blocking=True)
+        self._stage(size, input_ids, positions, slots, seq_lens, block_tables)
         if size in self.graphs:
             graph, logits = self.graphs[size]
             graph.replay()

@@ -74,18 +74,24 @@ def find_groups(meta: AttentionMetadata, seqs: list[int], tables: list[list[int]
 def by_deepest_prefix(meta: AttentionMetadata, seqs: list[int], tables: list[list[int]], block: int
                       ) -> dict[tuple[int, ...], list[int]]:
     """The sequences keyed by the deepest run of leading blocks each shares with another sequence of the set
-    (an empty key: it shares none). Only blocks wholly before a sequence's first query count as shared."""
-    first_query_block = {s: (meta.seq_lens_host[s] - meta.query_lens_host[s]) // block for s in seqs}
-    holders: dict[int, int] = {}
-    for s in seqs:
-        for b in tables[s][: first_query_block[s]]:
-            holders[b] = holders.get(b, 0) + 1
+    (an empty key: it shares none). Only blocks wholly before a sequence's first query count as shared.
+
+    Counted with numpy over a padded `[sequences, blocks]` array: at 256 decodes of 100 blocks, a dict count
+    per block took milliseconds per step."""
+    if not seqs:
+        return {}
+    limits = [(meta.seq_lens_host[s] - meta.query_lens_host[s]) // block for s in seqs]
+    held = np.full((len(seqs), max(max(limits), 1)), -1, dtype=np.int64)
+    for i, (s, limit) in enumerate(zip(seqs, limits)):
+        row = tables[s][:limit]
+        held[i, : len(row)] = row
+    valid = held >= 0
+    holders = np.bincount(held[valid], minlength=1)
+    shared = valid & (holders[np.where(valid, held, 0)] > 1)
+    depths = np.cumprod(shared, axis=1).sum(axis=1).tolist()
     by_prefix: dict[tuple[int, ...], list[int]] = {}
-    for s in seqs:
-        count = 0
-        while count < first_query_block[s] and holders[tables[s][count]] > 1:
-            count += 1
-        by_prefix.setdefault(tuple(tables[s][:count]), []).append(s)
+    for i, (s, depth) in enumerate(zip(seqs, depths)):
+        by_prefix.setdefault(tuple(held[i, :depth].tolist()), []).append(s)
     return by_prefix
 
 

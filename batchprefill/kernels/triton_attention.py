@@ -1,19 +1,34 @@
 """Paged attention kernels: one prefill kernel for ragged mixed batches, split-K decode with an LSE merge.
 
 Kernels read sequence lengths and offsets from the device; host copies only size grids, so a decode
-launch sized for longer contexts than the real ones still computes the right thing.
+launch sized for longer contexts than the real ones still computes the right thing, and splits each
+context into segments from its true length.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import warnings
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-MAX_SEGMENTS = 64  # the merge kernel holds every segment of one head in registers at once
+# The merge kernel holds every segment of one head in registers at once, always this many wide (masked), so
+# the split depth, which changes from step to step, never compiles a new variant.
+MAX_SEGMENTS = 64
+
+
+def jit_unspecialized(*names: str) -> Callable:
+    """`triton.jit` that never specializes `names` (on == 1 or on 16-divisibility): arguments that change
+    from step to step would otherwise compile a new variant in the middle of a run. Triton 3.2 and later
+    (so 3.6 to 3.9) take both keywords; the signature check keeps an older one importable."""
+    accepted = inspect.signature(triton.jit).parameters
+    keywords = ("do_not_specialize", "do_not_specialize_on_alignment")
+    return triton.jit(**{key: list(names) for key in keywords if key in accepted})
 
 
 def interpreting() -> bool:
@@ -56,20 +71,21 @@ def _prefill_inner(
     return acc, m_i, l_i
 
 
-@triton.jit
+@jit_unspecialized("stride_table")
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tile_seq_ptr, tile_index_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tile_map_ptr,
     query_start_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, block_size, head_dim,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_table,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one sequence, one query head, over all KV it may see."""
+    """One program: BLOCK_M query rows of one sequence, one query head, over all KV it may see.
+    `tile_map` is [tiles, 2] (sequence, tile index in it), one pointer whose alignment never changes."""
     tile = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.load(tile_seq_ptr + tile)
-    first_row = tl.load(tile_index_ptr + tile) * BLOCK_M
+    seq = tl.load(tile_map_ptr + 2 * tile)
+    first_row = tl.load(tile_map_ptr + 2 * tile + 1) * BLOCK_M
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -112,22 +128,37 @@ def _prefill_kernel(
 
 
 @triton.jit
+def _segment_len(seq_len, num_segments, min_segment, BLOCK_N: tl.constexpr):
+    """Tokens per segment of one sequence, planned on the device from its own length: as many segments as
+    the grid has (at most), each of at least `min_segment` tokens and a whole number of KV tiles. A grid
+    sized for the longest context a CUDA graph may meet (33 segments at 131k tokens, batch 1) then still
+    splits a 2k-token context into 8 segments of 256, not one."""
+    wanted = tl.maximum(1, tl.minimum(num_segments, tl.cdiv(seq_len, min_segment)))
+    return tl.cdiv(tl.cdiv(seq_len, wanted), BLOCK_N) * BLOCK_N
+
+
+@jit_unspecialized("stride_table", "min_segment")
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    query_start_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, block_size, head_dim, segment_len,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, seq_index_ptr,
+    query_start_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, block_size, head_dim, min_segment,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_table,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, INDEXED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: one segment of one sequence's context for all query heads of one KV head, so each
-    KV tile is read once per GQA group. With SPLIT it writes a normalized partial output and its LSE."""
-    seq = tl.program_id(0)
+    KV tile is read once per GQA group. With SPLIT it writes a normalized partial output and its LSE.
+    With INDEXED, launch row i serves sequence seq_index[i] (the single-token rows of a mixed step)."""
+    launch_row = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
     num_segments = tl.num_programs(2)
+    seq = launch_row
+    if INDEXED:
+        seq = tl.load(seq_index_ptr + launch_row)
     seq_len = tl.load(seq_lens_ptr + seq)
     row = tl.load(query_start_ptr + seq)
+    segment_len = _segment_len(seq_len, num_segments, min_segment, BLOCK_N)
     lo = segment * segment_len
     hi = tl.minimum(seq_len, lo + segment_len)
 
@@ -168,7 +199,7 @@ def _decode_kernel(
     out = acc / l_i[:, None]
     if SPLIT:
         # Layouts: part_out [S, Hq, num_segments, BLOCK_D], part_lse [S, Hq, num_segments].
-        slot = (seq * tl.num_programs(1) * GROUP + heads) * num_segments + segment
+        slot = (launch_row * tl.num_programs(1) * GROUP + heads) * num_segments + segment
         tl.store(part_lse_ptr + slot, m_i + tl.log2(l_i), mask=head_valid)
         tl.store(part_out_ptr + slot[:, None] * BLOCK_D + dims[None, :], out, mask=q_mask)
     else:
@@ -176,22 +207,25 @@ def _decode_kernel(
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
+@jit_unspecialized("min_segment", "num_segments")
 def _merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, query_start_ptr, seq_lens_ptr, segment_len, num_segments, head_dim,
-    stride_ot, stride_oh, stride_od,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, seq_index_ptr, query_start_ptr, seq_lens_ptr, min_segment,
+    num_segments, head_dim, stride_ot, stride_oh, stride_od,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INDEXED: tl.constexpr,
 ):
     """Combine one head's segment outputs, each weighted by its share of the softmax mass (2^lse)."""
-    seq = tl.program_id(0)
+    launch_row = tl.program_id(0)
     head = tl.program_id(1)
+    seq = launch_row
+    if INDEXED:
+        seq = tl.load(seq_index_ptr + launch_row)
     seq_len = tl.load(seq_lens_ptr + seq)
     row = tl.load(query_start_ptr + seq)
     segments = tl.arange(0, BLOCK_S)
-    seg_valid = segments < tl.minimum(tl.cdiv(seq_len, segment_len), num_segments)
+    seg_valid = segments < tl.cdiv(seq_len, _segment_len(seq_len, num_segments, min_segment, BLOCK_N))
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < head_dim
-    slot = (seq * tl.num_programs(1) + head) * num_segments + segments
+    slot = (launch_row * tl.num_programs(1) + head) * num_segments + segments
     lse = tl.load(part_lse_ptr + slot, mask=seg_valid, other=float("-inf"))
     parts = tl.load(part_out_ptr + slot[:, None] * BLOCK_D + dims[None, :],
                     mask=seg_valid[:, None] & dim_valid[None, :], other=0.0)
@@ -201,10 +235,27 @@ def _merge_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
-def _dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
-    """(upcast dot operands to fp32, input precision): fp32 dots stay exact ('ieee'), not tf32."""
-    upcast = interpreting()
-    return upcast, "ieee" if upcast or dtype == torch.float32 else "tf32"
+def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
+    """(upcast dot operands to fp32, input precision). fp32 dots run as TF32 when torch's own fp32 matmul
+    precision allows it (`torch.set_float32_matmul_precision("high")`, the switch the linear layers follow);
+    exact fp32 dots spill registers on the GPU, so the caller then uses narrower KV tiles, and we warn once."""
+    if interpreting():
+        return True, "ieee"
+    if dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest":
+        return False, "tf32"  # the precision only matters for fp32 operands
+    _warn_exact_fp32()
+    return False, "ieee"
+
+
+_warned_exact_fp32 = []
+
+
+def _warn_exact_fp32() -> None:
+    if not _warned_exact_fp32:
+        _warned_exact_fp32.append(True)
+        warnings.warn("fp32 attention on the GPU runs exact (IEEE) dots on narrow tiles, several times slower "
+                      "than TF32: use model.dtype=bfloat16, or torch.set_float32_matmul_precision('high')",
+                      stacklevel=3)
 
 
 def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
@@ -218,12 +269,12 @@ def prefill_attention(
     query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, tile_map: torch.Tensor,
     scale: float, block_m: int, block_n: int, num_warps: int, num_stages: int,
 ) -> None:
-    """Launch the prefill kernel; `tile_map` [2, tiles] holds each tile's sequence and index in it."""
+    """Launch the prefill kernel; `tile_map` [tiles, 2] holds each tile's sequence and index in it."""
     num_heads, head_dim = query.shape[1], query.shape[2]
-    upcast, precision = _dot_settings(query.dtype)
-    grid = (tile_map.shape[1], num_heads)
+    upcast, precision = dot_settings(query.dtype)
+    grid = (tile_map.shape[0], num_heads)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, out, tile_map[0], tile_map[1], query_start, seq_lens, block_tables,
+        query, k_cache, v_cache, out, tile_map, query_start, seq_lens, block_tables,
         scale * LOG2E, k_cache.shape[1], head_dim, *query.stride(), *out.stride(),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
         GROUP=num_heads // k_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
@@ -234,31 +285,39 @@ def prefill_attention(
 
 def decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-    query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-    scale: float, segment_len: int, num_segments: int, block_n: int, num_warps: int, num_stages: int,
+    query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, seq_index: torch.Tensor | None,
+    scale: float, num_segments: int, min_segment: int, block_n: int, num_warps: int, num_stages: int,
 ) -> None:
-    """Launch the decode kernel over (sequence, KV head, segment), then the merge when split."""
-    num_seqs = seq_lens.shape[0]
+    """Launch the decode kernel over (sequence, KV head, segment), then the merge when split.
+
+    `seq_index` lists the sequences to serve (the decodes of a mixed step); None serves every sequence.
+    Each sequence splits its own context on the device into at most `num_segments` segments of at least
+    `min_segment` tokens."""
+    num_rows = seq_lens.shape[0] if seq_index is None else seq_index.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     split = num_segments > 1
+    indexed = seq_index is not None
+    seq_index = seq_lens if seq_index is None else seq_index  # a placeholder pointer when not indexed
     part_out = part_lse = out  # unused placeholders when not split
     if split:
-        part_out = torch.empty(num_seqs, num_heads, num_segments, block_d, dtype=torch.float32,
+        part_out = torch.empty(num_rows, num_heads, num_segments, block_d, dtype=torch.float32,
                                device=query.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_segments, dtype=torch.float32, device=query.device)
-    upcast, precision = _dot_settings(query.dtype)
-    _decode_kernel[(num_seqs, num_kv_heads, num_segments)](
-        query, k_cache, v_cache, out, part_out, part_lse, query_start, seq_lens, block_tables,
-        scale * LOG2E, k_cache.shape[1], head_dim, segment_len, *query.stride(), *out.stride(),
+        part_lse = torch.empty(num_rows, num_heads, num_segments, dtype=torch.float32, device=query.device)
+    upcast, precision = dot_settings(query.dtype)
+    _decode_kernel[(num_rows, num_kv_heads, num_segments)](
+        query, k_cache, v_cache, out, part_out, part_lse, seq_index, query_start, seq_lens, block_tables,
+        scale * LOG2E, k_cache.shape[1], head_dim, min_segment, *query.stride(), *out.stride(),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        SPLIT=split, UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        SPLIT=split, INDEXED=indexed, UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if split:
-        _merge_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, query_start, seq_lens, segment_len, num_segments, head_dim, *out.stride(),
-            BLOCK_S=triton.next_power_of_2(num_segments), BLOCK_D=block_d,
+        _merge_kernel[(num_rows, num_heads)](
+            part_out, part_lse, out, seq_index, query_start, seq_lens, min_segment, num_segments, head_dim,
+            *out.stride(), BLOCK_S=MAX_SEGMENTS, BLOCK_N=block_n, BLOCK_D=block_d,
+            INDEXED=indexed,
         )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import triton
 
@@ -10,16 +13,32 @@ from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.triton_attention import (
     MAX_SEGMENTS,
     decode_attention,
+    dot_settings,
     interpreting,
     prefill_attention,
 )
+
+ALIGN = 4  # int32 entries: the decode rows start 16 bytes aligned inside the step's plan tensor
+
+
+@dataclass
+class StepPlan:
+    """What every layer of one step launches: prefill tiles for the chunks, decode rows for single tokens."""
+
+    tile_map: torch.Tensor | None  # [tiles, 2] int32 (sequence, tile index in it), longest KV first
+    decode_rows: torch.Tensor | None  # [decodes] int32 sequence indices; None when every row is a decode
+    num_decodes: int
+    block_m: int
+    num_segments: int  # decode grid depth
 
 
 class TritonOps:
     """Triton kernels behind the `Ops` interface.
 
     Launch choices are made on the host from `meta.query_lens_host` / `meta.seq_lens_host`, so no call
-    waits on the device. Tile sizes may be fixed for tests; by default they follow the batch shape.
+    waits on the device. Tile sizes may be fixed for tests; by default they follow the batch shape. In a
+    mixed step, chunks run through the prefill kernel and single-token rows through the decode kernel
+    (in a 64-row prefill tile a decode would use 1/64 of the tile and read each KV head once per query head).
     """
 
     graph_safe_decode = True  # decode grids depend only on the batch size and the planned longest context
@@ -30,18 +49,16 @@ class TritonOps:
         self.block_n = block_n
         self.decode_min_segment = decode_min_segment
         self.decode_target_programs = decode_target_programs
-        self._tile_key: tuple | None = None  # the tile map is shared by every layer of a step
-        self._tile_map: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None  # persistent (pinned on CUDA) staging for the plan's one copy
+        self._device: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None  # the last copy out of `_host`
 
-    @property
-    def _block_n(self) -> int:
-        """KV tokens per tile; any size works, as each row finds its own block."""
-        return self.block_n or 64
-
-    def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
-             ) -> AttentionMetadata:
-        """Launch choices follow the host lengths the metadata already carries: nothing to build per step."""
-        return meta
+    def _block_n(self, dtype: torch.dtype) -> int:
+        """KV tokens per tile; any size works, as each row finds its own block. Exact fp32 dots get half
+        width, as their operands take twice the registers of TF32 ones."""
+        if self.block_n:
+            return self.block_n
+        return 32 if dot_settings(dtype)[1] == "ieee" and not interpreting() else 64
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -60,56 +77,102 @@ class TritonOps:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.num_seqs == 0 or query.shape[0] == 0:
             return out
-        if meta.is_decode_only:
-            segment_len, num_segments = self.decode_split(meta, k_cache.shape[2])
-            decode_attention(
-                query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables, scale,
-                segment_len, num_segments, self._block_n, num_warps=4, num_stages=2,
+        if meta.plan is None:  # a caller outside the model (a test, a benchmark) planned nothing
+            meta = self.plan(meta, k_cache, query.shape[1], query.dtype)
+        plan = meta.plan
+        block_n = self._block_n(query.dtype)
+        if plan.tile_map is not None:
+            num_warps, num_stages = prefill_warps_and_stages(plan.block_m, query.shape[2])
+            prefill_attention(
+                query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables, plan.tile_map,
+                scale, plan.block_m, block_n, num_warps, num_stages,
             )
-            return out
-        block_m, block_n, num_warps, num_stages = self._prefill_config(meta, query.shape[2])
-        prefill_attention(
-            query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables,
-            self._tiles(meta, block_m, query.device), scale, block_m, block_n, num_warps, num_stages,
-        )
+        if plan.num_decodes:
+            decode_attention(
+                query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables, plan.decode_rows,
+                scale, plan.num_segments, self.decode_min_segment, block_n, num_warps=4, num_stages=2,
+            )
         return out
 
-    def _prefill_config(self, meta: AttentionMetadata, head_dim: int) -> tuple[int, int, int, int]:
-        """(BLOCK_M, BLOCK_N, warps, stages): 128-row tiles only for long chunks without decodes, whose
-        single query would waste most of the tile."""
-        long_chunks = min(meta.query_lens_host) >= 128 and max(meta.query_lens_host) >= 512
-        block_m = self.block_m or (128 if long_chunks and not interpreting() else 64)
-        num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
-        return block_m, self._block_n, num_warps, 3 if head_dim <= 128 else 2
+    def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
+             ) -> AttentionMetadata:
+        """`meta` with the step's launches attached, built before the first layer with one host-to-device copy.
 
-    def _tiles(self, meta: AttentionMetadata, block_m: int, device: torch.device) -> torch.Tensor:
-        """[2, tiles] int32: (sequence, tile index in it) per query tile, longest KV first so the
-        slowest programs start first."""
-        key = (tuple(meta.query_lens_host), tuple(meta.seq_lens_host), block_m, device)
-        if key != self._tile_key:
-            tiles = []
-            for s, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
-                context = seq_len - q_len
-                for t in range(triton.cdiv(q_len, block_m)):
-                    tiles.append((context + min((t + 1) * block_m, q_len), s, t))
-            tiles.sort(key=lambda tile: -tile[0])
-            host = torch.tensor([[s for _, s, _ in tiles], [t for _, _, t in tiles]], dtype=torch.int32)
-            if device.type == "cuda":
-                host = host.pin_memory()
-            self._tile_map = host.to(device, non_blocking=True)
-            self._tile_key = key
-        return self._tile_map
+        A decode-only step copies nothing, so a CUDA graph can capture it."""
+        num_kv_heads, device = k_cache.shape[2], k_cache.device
+        query_lens = np.asarray(meta.query_lens_host)
+        seq_lens = np.asarray(meta.seq_lens_host)
+        chunks = np.flatnonzero(query_lens > 1)
+        decodes = np.flatnonzero(query_lens == 1)
+        block_m = self._choose_block_m(query_lens[chunks])
+        num_segments = self._decode_segments(seq_lens[decodes], num_kv_heads, device) if len(decodes) else 1
+        tile_map = decode_rows = None
+        if len(chunks):
+            tiles = _tile_map(query_lens[chunks], seq_lens[chunks], chunks, block_m)
+            offset = triton.cdiv(tiles.size, ALIGN) * ALIGN
+            staged = self._stage([tiles.ravel(), decodes], [0, offset], offset + len(decodes), device)
+            tile_map = staged[: tiles.size].view(-1, 2)
+            decode_rows = staged[offset : offset + len(decodes)] if len(decodes) else None
+        return meta.with_plan(StepPlan(tile_map, decode_rows, len(decodes), block_m, num_segments))
 
-    def decode_split(self, meta: AttentionMetadata, num_kv_heads: int) -> tuple[int, int]:
-        """(segment length, segment count) of a decode launch: contexts are split only until the grid fills
-        the device, into segments of at least `decode_min_segment` tokens."""
-        max_len = max(meta.seq_lens_host)
-        target = self.decode_target_programs or _default_target_programs(meta.seq_lens.device)
-        wanted = triton.cdiv(target, meta.num_seqs * num_kv_heads)
-        most = min(MAX_SEGMENTS, triton.cdiv(max_len, self.decode_min_segment))
-        num_segments = max(1, min(wanted, most))
-        segment_len = triton.cdiv(triton.cdiv(max_len, num_segments), self._block_n) * self._block_n
-        return segment_len, triton.cdiv(max_len, segment_len)
+    def _stage(self, parts: list[np.ndarray], offsets: list[int], size: int, device: torch.device) -> torch.Tensor:
+        """Copy int32 `parts` to the device at `offsets` of one persistent buffer, in one non-blocking copy.
+
+        The buffers only grow; a refill of the host side first waits for the copy that last read it."""
+        if self._host is None or self._host.numel() < size:
+            capacity = triton.next_power_of_2(size)
+            self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=device.type == "cuda")
+            self._device = torch.empty(capacity, dtype=torch.int32, device=device)
+            self._copied = None
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._host.numpy()
+        for part, offset in zip(parts, offsets, strict=True):
+            host[offset : offset + len(part)] = part
+        self._device[:size].copy_(self._host[:size], non_blocking=True)
+        if device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return self._device[:size]
+
+    def _choose_block_m(self, chunk_lens: np.ndarray) -> int:
+        """128-row tiles only when every chunk is long (at least 128 queries, the longest 512 or more), as a
+        short chunk would waste most of the tile. The interpreter takes 64 unless a test sets `block_m`."""
+        if self.block_m:
+            return self.block_m
+        long_chunks = len(chunk_lens) > 0 and chunk_lens.min() >= 128 and chunk_lens.max() >= 512
+        return 128 if long_chunks and not interpreting() else 64
+
+    def decode_segments(self, meta: AttentionMetadata, num_kv_heads: int) -> int:
+        """Grid depth of a decode-only launch of `meta` (the benchmark reports it)."""
+        return self._decode_segments(np.asarray(meta.seq_lens_host), num_kv_heads, meta.seq_lens.device)
+
+    def _decode_segments(self, seq_lens: np.ndarray, num_kv_heads: int, device: torch.device) -> int:
+        """Segments in the decode grid: contexts are split only until the grid fills the device, into
+        segments of at least `decode_min_segment` tokens. The host plans the grid for the longest context;
+        each sequence splits its own context on the device within it."""
+        target = self.decode_target_programs or _default_target_programs(device)
+        wanted = triton.cdiv(target, len(seq_lens) * num_kv_heads)
+        most = min(MAX_SEGMENTS, triton.cdiv(int(seq_lens.max()), self.decode_min_segment))
+        return max(1, min(wanted, most))
+
+
+def prefill_warps_and_stages(block_m: int, head_dim: int) -> tuple[int, int]:
+    """Warps and pipeline stages of a prefill tile, from its padded width (head_dim 80 and 96 run on
+    128-wide tiles: four warps would hold a 128 x 128 fp32 accumulator and spill)."""
+    block_d = triton.next_power_of_2(head_dim)
+    return (8 if block_m * block_d >= 128 * 128 else 4), (3 if block_d <= 128 else 2)
+
+
+def _tile_map(query_lens: np.ndarray, seq_lens: np.ndarray, seqs: np.ndarray, block_m: int) -> np.ndarray:
+    """[tiles, 2] int32 (sequence, tile index in it) of the chunks `seqs`, the tiles that see the most
+    KV first, so the slowest programs start first."""
+    per_seq = -(-query_lens // block_m)
+    owner = np.repeat(np.arange(len(seqs)), per_seq)
+    index = np.arange(owner.size) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    kv_end = (seq_lens - query_lens)[owner] + np.minimum((index + 1) * block_m, query_lens[owner])
+    order = np.argsort(-kv_end, kind="stable")
+    return np.stack([seqs[owner[order]], index[order]], axis=1).astype(np.int32)
 
 
 def _default_target_programs(device: torch.device) -> int:
