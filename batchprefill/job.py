@@ -20,9 +20,10 @@ from batchprefill.engine.request import Request, SamplingParams
 from batchprefill.errors import JobError
 from batchprefill.malloc import keep_freed_memory
 from batchprefill.model.loader import load_model, make_ops, resolve_device, resolve_dtype
-from batchprefill.order import Group, assign_shards, groups, run_order
+from batchprefill.order import Group, assign_shards, groups, reusable_tokens, run_order
 from batchprefill.preparation import Prepared, prepare_job
 from batchprefill.prepare import ERROR, NAMESPACE, PARTITION_SCHEMA, ROW, TOKENS, partition_path, partition_records
+from batchprefill.run_figure import write_run_figure
 from batchprefill.settings import DataSettings, JobSettings
 from batchprefill.stats import JobTotals, job_row, print_summary, stats_dir, write_stats
 from batchprefill.writer import Outcome, ResultWriter, done_ids, write_records
@@ -45,6 +46,7 @@ class PartitionRun:
     groups: list[Group]
     position: dict[int, int]  # request id -> row of table
     unfinished: int
+    ideal_cached_tokens: int  # what an ideal cache serves in this run order (the plan's arithmetic)
 
 
 def run_job(job: JobSettings) -> dict:
@@ -72,7 +74,8 @@ def run_job(job: JobSettings) -> dict:
     bar.close()
     stats = job_row(totals, engine, time.perf_counter() - started)
     write_stats(stats_dir(out, sharding), totals, engine, stats)
-    print_summary(stats, out)
+    figure = write_run_figure(stats_dir(out, sharding), "batchprefill") if job.output.plot else None
+    print_summary(stats, out, figure)
     return stats
 
 
@@ -142,6 +145,7 @@ def _requests(job: JobSettings, prepared: Prepared, partitions: list[int], skip:
     drains. Rows that never reach the engine are written here as error rows."""
     for part in partitions:
         run = load_partition(job.data, job.engine.block_size, job.sampling, prepared, part, skip)
+        totals.ideal_cached_tokens += run.ideal_cached_tokens
         for index, message in run.errors:
             writer.add(run.table, index, Outcome("", [], 0, 0, "error", message))
             totals.add_error_row()
@@ -187,7 +191,8 @@ def load_partition(data: DataSettings, block_size: int, params: SamplingParams, 
                 for row, ids, namespace in zip(rows, token_ids.to_pylist(), namespaces.to_pylist())]
     errors = [(i, message) for i, message in enumerate(table[ERROR].to_pylist()) if message is not None]
     return PartitionRun(part, table, errors, requests, groups(token_ids, namespaces, block_size),
-                        dict(zip(rows, order.tolist())), len(requests))
+                        dict(zip(rows, order.tolist())), len(requests),
+                        sum(reusable_tokens(token_ids, namespaces, block_size)))
 
 
 def _record(run: PartitionRun, request: Request, writer: ResultWriter, totals: JobTotals) -> None:

@@ -10,11 +10,14 @@ How shard statistics combine into `stats/job.parquet`:
 - `wall_seconds` is the slowest shard's: array tasks run side by side, so that is the array's elapsed time, and
   the rates (`prefill_tokens_per_second`, `output_tokens_per_second`) computed from the sums over it are the
   job's aggregate throughput; `shard_seconds` (added) sums the shards' times, the device time spent;
-- peaks (`active_blocks`, `reclaimable_blocks`, `free_blocks`) are the largest any shard reached;
+- counts include `ideal_cached_tokens`, what an ideal cache would serve in each shard's run order;
+- peaks (`active_blocks`, `reclaimable_blocks`, `free_blocks`) are the largest any shard reached, and
+  `max_batched_tokens` the largest budget;
 - `num_shards` (added) says how many shards' statistics were combined.
 Each shard's statistics describe its last run: rows that an earlier, interrupted run committed are in the
 results but not in its counts. `stats/groups.parquet` concatenates the shards' groups (group ids are unique
-across partitions); `stats/steps.parquet` concatenates their steps with a `shard` column.
+across partitions); `stats/steps.parquet` concatenates their steps with a `shard` column. `stats/run.png` is then
+drawn from the combined files (`output.plot`), the shards' steps one after another.
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ from batchprefill.cli import hydra_app
 from batchprefill.errors import JobError
 from batchprefill.order import assign_shards
 from batchprefill.prepare import partition_path
+from batchprefill.run_figure import write_run_figure
 from batchprefill.settings import JobSettings
 from batchprefill.writer import write_atomic, write_records
 
 SUMMED = ("num_requests", "num_errors", "prompt_tokens", "cached_tokens", "computed_prompt_tokens",
-          "output_tokens", "evicted_blocks", "preemptions")
-PEAKS = ("active_blocks", "reclaimable_blocks", "free_blocks", "wall_seconds")
+          "output_tokens", "evicted_blocks", "preemptions", "ideal_cached_tokens")
+PEAKS = ("active_blocks", "reclaimable_blocks", "free_blocks", "wall_seconds", "max_batched_tokens")
 SHARD_DIR = re.compile(r"shard-(\d+)-of-(\d+)")
 PART_NAME = re.compile(r"part-(\d+)-")  # results/part-<shard>-<stamp>-<n>.parquet
 SHOWN = 5  # ids named in the one-line report
@@ -179,10 +183,13 @@ def merge(job: JobSettings) -> str:
     if len(folders) < num_shards:
         print(f"batchprefill-merge: warning: statistics of only {len(folders)} of {num_shards} shards found in "
               f"{out / 'stats'}; combined those", file=sys.stderr)
+    plot = job.output.plot
     job = merge_stats(out / "stats", folders)
+    figure = write_run_figure(out / "stats", "batchprefill-merge") if plot else None
     return (f"batchprefill-merge: all {rows} rows have exactly one result in {out / 'results'}; combined "
             f"{len(folders)} shards' statistics ({job['num_requests']} requests, {job['cache_hit_rate']:.1%} "
-            f"cache hits, {job['wall_seconds']:.1f} s) into {out / 'stats'}")
+            f"cache hits, {job['wall_seconds']:.1f} s) into {out / 'stats'}"
+            + (f"; the run at a glance: {figure}" if figure else ""))
 
 
 def _shards_for_report(configured: int | None, from_stats: int, parts: dict[str, list]) -> int:

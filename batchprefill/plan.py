@@ -25,7 +25,7 @@ from batchprefill.cli import hydra_app
 from batchprefill.order import groups, reusable_tokens, run_order, shared_with_previous
 from batchprefill.prepare import ERROR, NAMESPACE, ROW, TOKENS, partition_path
 from batchprefill.settings import JobSettings
-from batchprefill.writer import replace_atomic, write_records
+from batchprefill.writer import save_png, write_records
 
 if TYPE_CHECKING:  # pulls in torch, which the entry point loads only after Hydra parsed the command line
     from batchprefill.model.llama import ModelConfig
@@ -188,7 +188,7 @@ def draw_plan(tally: Tally, block_size: int, path: Path) -> None:
         right.set_yscale("log")
     right.grid(alpha=0.3, axis="y")
     figure.suptitle(f"batchprefill plan: {tally.requests} requests, {tally.prompt_tokens} prompt tokens")
-    replace_atomic(path, lambda staging: figure.savefig(staging, format="png", dpi=110))
+    save_png(figure, path)
     plt.close(figure)
 
 

@@ -68,6 +68,7 @@ class OutputSettings:
     commit_every_rows: int
     commit_every_seconds: float
     progress: bool
+    plot: bool  # draw stats/run.png after the run and the merge
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,8 @@ def _output(cfg: DictConfig) -> OutputSettings:
     _require(o.commit_every_rows >= 1, "output.commit_every_rows must be >= 1")
     return OutputSettings(dir=Path(o.dir).expanduser(), resume=bool(o.resume),
                           commit_every_rows=int(o.commit_every_rows),
-                          commit_every_seconds=float(o.commit_every_seconds), progress=bool(o.progress))
+                          commit_every_seconds=float(o.commit_every_seconds), progress=bool(o.progress),
+                          plot=bool(o.plot))
 
 
 def _link_gbps(cfg: DictConfig) -> float:

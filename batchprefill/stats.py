@@ -26,6 +26,7 @@ class JobTotals:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    ideal_cached_tokens: int = 0  # what an ideal cache serves in this run order, summed as partitions load
     group_rows: list[dict] = field(default_factory=list)
 
     def add_error_row(self) -> None:
@@ -61,6 +62,7 @@ def job_row(totals: JobTotals, engine: Engine, wall: float) -> dict:
         "prefill_tokens_per_second": computed / wall if wall else 0.0,
         "output_tokens_per_second": totals.output_tokens / wall if wall else 0.0,
         "cache_hit_rate": totals.cached_tokens / totals.prompt_tokens if totals.prompt_tokens else 0.0,
+        "ideal_cached_tokens": totals.ideal_cached_tokens, "max_batched_tokens": engine.config.max_batched_tokens,
         "evicted_blocks": engine.pool.evictions, "preemptions": engine.scheduler.preemptions,
         "active_blocks": max((s.active_blocks for s in steps), default=0),
         "reclaimable_blocks": max((s.reclaimable_blocks for s in steps), default=0),
@@ -81,13 +83,14 @@ def write_stats(folder: Path, totals: JobTotals, engine: Engine, job: dict) -> N
     write_records([asdict(s) for s in engine.counters.steps], folder / "steps.parquet")
 
 
-def print_summary(job: dict, out: Path) -> None:
+def print_summary(job: dict, out: Path, figure: Path | None) -> None:
     print(
         f"batchprefill: {job['num_requests']} requests ({job['num_errors']} errors) in {job['wall_seconds']:.1f} s. "
         f"Of {job['prompt_tokens']} prompt tokens, {job['cached_tokens']} came from the prefix cache "
         f"({job['cache_hit_rate']:.1%}) and {job['computed_prompt_tokens']} were computed "
         f"({job['prefill_tokens_per_second']:.0f} tokens/s); {job['output_tokens']} tokens were generated "
         f"({job['output_tokens_per_second']:.1f} tokens/s). {job['evicted_blocks']} blocks were evicted and "
-        f"{job['preemptions']} requests preempted. Results and statistics are in {out}.",
+        f"{job['preemptions']} requests preempted. Results and statistics are in {out}."
+        + (f"\nbatchprefill: the run at a glance: {figure}" if figure else ""),
         file=sys.stderr,
     )

@@ -7,11 +7,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchprefill.prepare import INTERNAL
+
+if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn
+    from matplotlib.figure import Figure
 
 OUTPUT_FIELDS = [
     pa.field("output_text", pa.string()),
@@ -25,17 +29,26 @@ OUTPUT_FIELDS = [
 
 def replace_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """`write` fills a staging file beside `path`, which then replaces it: a reader sees the whole file or none
-    of it, even if this process is killed mid-write."""
+    of it, even if this process is killed mid-write. A write that raises leaves `path` as it was and no staging
+    file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(staging)
-    with open(staging, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(staging, path)
+    try:
+        write(staging)
+        with open(staging, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)
 
 
 def write_atomic(table: pa.Table, path: Path) -> None:
     replace_atomic(path, lambda staging: pq.write_table(table, staging))
+
+
+def save_png(figure: Figure, path: Path) -> None:
+    """plan.png and stats/run.png, written as atomically as the Parquet files."""
+    replace_atomic(path, lambda staging: figure.savefig(staging, format="png", dpi=110))
 
 
 def done_ids(results_dir: Path, id_column: str) -> set:

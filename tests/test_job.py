@@ -6,6 +6,7 @@ import pytest
 from datasets import Dataset
 
 from tests.conftest import REPO, run_cli
+from tests.test_plan import PNG_SIGNATURE
 
 FAST = ["sampling.max_tokens=6", "engine.kv_cache_tokens=4096", "output.progress=false"]
 RESULT_TYPES = {
@@ -15,7 +16,7 @@ RESULT_TYPES = {
 JOB_COLUMNS = {"num_requests", "num_errors", "prompt_tokens", "cached_tokens", "computed_prompt_tokens",
                "output_tokens", "wall_seconds", "prefill_tokens_per_second", "output_tokens_per_second",
                "cache_hit_rate", "evicted_blocks", "preemptions", "active_blocks", "reclaimable_blocks",
-               "free_blocks"}
+               "free_blocks", "ideal_cached_tokens", "max_batched_tokens"}
 
 
 def run_job(out, *overrides: str):
@@ -72,7 +73,15 @@ def test_sample_job_writes_every_file_of_the_contract(sample_run):
     assert sum(steps["num_prefill_tokens"].to_pylist()) == job["computed_prompt_tokens"]
     assert all(a + r + f == 256 for a, r, f in zip(steps["active_blocks"].to_pylist(),
                         steps["reclaimable_blocks"].to_pylist(), steps["free_blocks"].to_pylist()))
+    last = steps.slice(steps.num_rows - 1).to_pylist()[0]  # running totals end at the job's
+    assert (last["finished_prompt_tokens"], last["finished_cached_tokens"]) == (job["prompt_tokens"],
+                                                                               job["cached_tokens"])
+    assert (last["evicted_blocks"], last["preemptions"]) == (job["evicted_blocks"], job["preemptions"])
+    assert 0 < job["cached_tokens"] <= job["ideal_cached_tokens"] < job["prompt_tokens"]
+    assert job["max_batched_tokens"] == 2048
     assert "prefix cache" in done.stderr  # the closing summary
+    assert (out / "stats" / "run.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert f"the run at a glance: {out / 'stats' / 'run.png'}" in done.stderr
 
 
 def test_rerun_into_the_same_folder_resumes_and_adds_nothing(sample_run):
@@ -81,6 +90,8 @@ def test_rerun_into_the_same_folder_resumes_and_adds_nothing(sample_run):
     again = run_job(out)
     assert again.returncode == 0, again.stderr
     assert results(out).num_rows == before
+    assert pq.read_table(out / "stats" / "steps.parquet").num_rows == 0
+    assert "the run at a glance" in again.stderr  # a run with no step to draw still gets its figure
 
 
 def test_input_order_computes_more_than_prefix_order(sample_run, tmp_path):

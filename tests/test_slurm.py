@@ -57,6 +57,7 @@ def test_array_of_three_then_merge(slurm, tmp_path):
     assert job["num_requests"] == len(results) and job["num_shards"] == 3
     assert pq.read_table(out / "stats" / "groups.parquet").num_rows == 8  # 8 system prompts: 8 prefix groups
     assert set(pq.read_table(out / "stats" / "steps.parquet")["shard"].to_pylist()) <= {0, 1, 2}
+    assert (out / "stats" / "run.png").read_bytes().startswith(b"\x89PNG")  # the merge drew the whole array
 
 
 def test_requeued_task_resumes_to_the_same_outputs(slurm, tmp_path):

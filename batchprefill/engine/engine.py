@@ -34,12 +34,20 @@ class StepRecord:
     forward_ms: float
     sample_ms: float
     bookkeeping_ms: float  # appending tokens, stop checks, finishing requests, this record
+    # Running totals since the engine started: the run figure draws eviction and preemption marks and the running
+    # cache hit rate (finished cached over finished prompt tokens, which ends at the job's cache_hit_rate) from them.
+    evicted_blocks: int
+    preemptions: int
+    finished_prompt_tokens: int
+    finished_cached_tokens: int
 
 
 @dataclass
 class EngineCounters:
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    finished_prompt_tokens: int = 0
+    finished_cached_tokens: int = 0
     steps: list[StepRecord] = field(default_factory=list)
 
 
@@ -97,7 +105,7 @@ class Engine:
                     finished.append(request)
         else:
             clock += clock[-1:] * 3
-        self._record(step, clock)
+        self._record(step, clock, finished)
         return finished
 
     def generate(self, requests: Iterable[Request], lookahead: int | None = None) -> Iterator[Request]:
@@ -143,11 +151,13 @@ class Engine:
         request.output_text = text
         return True
 
-    def _record(self, step: Step, clock: list[float]) -> None:
+    def _record(self, step: Step, clock: list[float], finished: list[Request]) -> None:
         """The step's statistics row; `clock` holds its start and the end of schedule, prepare, forward, sample."""
         counts = self.pool.counts()
         self.counters.prefill_tokens += step.num_prefill_tokens
         self.counters.decode_tokens += step.num_decode_tokens
+        self.counters.finished_prompt_tokens += sum(r.num_prompt_tokens for r in finished)
+        self.counters.finished_cached_tokens += sum(r.num_cached_tokens or 0 for r in finished)
         now = time.perf_counter()
         schedule, prepare, forward, sample = (1e3 * (b - a) for a, b in zip(clock, clock[1:]))
         self.counters.steps.append(StepRecord(
@@ -155,5 +165,7 @@ class Engine:
             num_prefill_tokens=step.num_prefill_tokens, num_seqs=len(step.chunks),
             active_blocks=counts.active, reclaimable_blocks=counts.reclaimable, free_blocks=counts.free,
             duration_ms=(now - clock[0]) * 1e3, schedule_ms=schedule, prepare_ms=prepare, forward_ms=forward,
-            sample_ms=sample, bookkeeping_ms=(now - clock[-1]) * 1e3,
+            sample_ms=sample, bookkeeping_ms=(now - clock[-1]) * 1e3, evicted_blocks=self.pool.evictions,
+            preemptions=self.scheduler.preemptions, finished_prompt_tokens=self.counters.finished_prompt_tokens,
+            finished_cached_tokens=self.counters.finished_cached_tokens,
         ))
