@@ -220,7 +220,7 @@ def _texts(table: pa.Table, settings: PrepareSettings, tokenizer) -> tuple[list[
     for prompt, conversation, read_error, system in zip(prompts, conversations, read_errors, systems):
         text, error = "", read_error
         if error is None and (conversation is not None or not columns.prompt):
-            error = conversation_error(conversation)
+            error = _conversation_error(conversation)
             if error is None:
                 text, error = _rendered(tokenizer.render_conversation, conversation)
         elif error is None:
@@ -242,7 +242,7 @@ def _rendered(render, *args) -> tuple[str, str | None]:
         return "", f"chat template failed: {error}"
 
 
-def conversation_error(conversation) -> str | None:
+def _conversation_error(conversation) -> str | None:
     """Why a conversation cannot be rendered, or None: a non-empty list of messages with a role and a text."""
     if conversation is None:
         return "messages is null"
