@@ -20,6 +20,7 @@ from batchprefill.engine.request import Request, SamplingParams
 from batchprefill.errors import JobError
 from batchprefill.malloc import keep_freed_memory
 from batchprefill.model.loader import load_model, make_ops, resolve_device, resolve_dtype
+from batchprefill.openai_results import write_results_jsonl
 from batchprefill.order import Group, assign_shards, groups, reusable_tokens, run_order
 from batchprefill.preparation import Prepared, prepare_job
 from batchprefill.prepare import ERROR, NAMESPACE, PARTITION_SCHEMA, ROW, TOKENS, partition_path, partition_records
@@ -74,6 +75,8 @@ def run_job(job: JobSettings) -> dict:
     bar.close()
     stats = job_row(totals, engine, time.perf_counter() - started)
     write_stats(stats_dir(out, sharding), totals, engine, stats)
+    if job.data.format == "openai_batch" and sharding.num_shards == 1:  # shards: the merge writes it
+        write_results_jsonl(results_dir, out / "results.jsonl", job.model.name, prepared.tokenizer.decode_one)
     figure = write_run_figure(stats_dir(out, sharding), "batchprefill") if job.output.plot else None
     print_summary(stats, out, figure)
     return stats

@@ -34,6 +34,9 @@ import pyarrow.parquet as pq
 
 from batchprefill.cli import hydra_app
 from batchprefill.errors import JobError
+from batchprefill.model.loader import resolve_folder
+from batchprefill.model.tokenizer import PromptTokenizer
+from batchprefill.openai_results import write_results_jsonl
 from batchprefill.order import assign_shards
 from batchprefill.prepare import partition_path
 from batchprefill.run_figure import write_run_figure
@@ -177,6 +180,9 @@ def merge(job: JobSettings) -> str:
     parts = read_results(out / "results", id_column)
     num_shards, folders = shard_stats(out / "stats", configured)
     rows = check_complete(inputs, parts, _shards_for_report(configured, num_shards, parts), out / "results")
+    if job.data.format == "openai_batch":
+        tokenizer = PromptTokenizer(resolve_folder(job.model.path))
+        write_results_jsonl(out / "results", out / "results.jsonl", job.model.name, tokenizer.decode_one)
     if not folders:
         return f"batchprefill-merge: all {rows} rows have exactly one result in {out / 'results'}; one shard, " \
                "nothing to combine"

@@ -36,8 +36,9 @@ def prepare_job(job: JobSettings) -> Prepared:
     model_config = read_model_config(folder)
     identity = model_identity(folder)
     tokenizer = PromptTokenizer(folder)
-    if job.data.chat_template and tokenizer.chat_template is None:
-        raise JobError(f"data.chat_template=true but {folder} has no chat template")
+    if (job.data.chat_template or job.data.columns.messages) and tokenizer.chat_template is None:
+        asked = "data.chat_template=true" if job.data.chat_template else "a conversation column"
+        raise JobError(f"{asked} needs a chat template, but {folder} has none")
     prepare_settings = PrepareSettings(
         columns=job.data.columns, chat_template=job.data.chat_template, order=job.data.order,
         block_size=job.engine.block_size, max_prompt_tokens=model_config.max_positions - job.sampling.max_tokens,

@@ -205,23 +205,60 @@ def _tokenized(batch: pa.RecordBatch, offset: int, settings: PrepareSettings, to
 
 
 def _texts(table: pa.Table, settings: PrepareSettings, tokenizer) -> tuple[list[str], list[str | None]]:
-    """The text to tokenize per row (empty for rows already in error) and each row's error so far."""
+    """The text to tokenize per row (empty for rows already in error) and each row's error so far.
+
+    A row's conversation, when the input has a messages column and the row has one, is rendered with the chat
+    template; otherwise its prompt (OpenAI batch files mix chat lines, with messages, and completion lines).
+    """
     columns = settings.columns
-    prompts = table[columns.prompt].to_pylist()
-    errors = [_prompt_error(prompt) for prompt in prompts]
-    if not settings.chat_template:
-        return [prompt if error is None else "" for prompt, error in zip(prompts, errors)], errors
-    systems = table[columns.system].to_pylist() if columns.system else [None] * len(prompts)
-    texts = []
-    for i, (prompt, system) in enumerate(zip(prompts, systems)):
-        text = ""
-        if errors[i] is None:
-            try:
-                text = tokenizer.apply_chat_template(prompt, system if isinstance(system, str) else None)
-            except Exception as error:  # noqa: BLE001 - a template failure belongs to this row alone
-                errors[i] = f"chat template failed: {error}"
+    num_rows = table.num_rows
+    prompts = table[columns.prompt].to_pylist() if columns.prompt else [None] * num_rows
+    conversations = table[columns.messages].to_pylist() if columns.messages else [None] * num_rows
+    read_errors = table[columns.read_error].to_pylist() if columns.read_error else [None] * num_rows
+    systems = table[columns.system].to_pylist() if columns.system else [None] * num_rows
+    texts, errors = [], []
+    for prompt, conversation, read_error, system in zip(prompts, conversations, read_errors, systems):
+        text, error = "", read_error
+        if error is None and (conversation is not None or not columns.prompt):
+            error = _conversation_error(conversation)
+            if error is None:
+                text, error = _rendered(tokenizer.render_conversation, conversation)
+        elif error is None:
+            error = _prompt_error(prompt)
+            if error is None and settings.chat_template:
+                text, error = _rendered(tokenizer.apply_chat_template, prompt,
+                                        system if isinstance(system, str) else None)
+            elif error is None:
+                text = prompt
         texts.append(text)
+        errors.append(error)
     return texts, errors
+
+
+def _rendered(render, *args) -> tuple[str, str | None]:
+    try:
+        return render(*args), None
+    except Exception as error:  # noqa: BLE001 - a template failure belongs to this row alone
+        return "", f"chat template failed: {error}"
+
+
+def _conversation_error(conversation) -> str | None:
+    """Why a conversation cannot be rendered, or None: a non-empty list of messages with a role and a text."""
+    if conversation is None:
+        return "messages is null"
+    if not isinstance(conversation, list) or not conversation:
+        return "messages is empty" if isinstance(conversation, list) else "messages is not a list"
+    for index, message in enumerate(conversation):
+        if not isinstance(message, dict):
+            return f"messages[{index}] is not an object with role and content"
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            return f"messages[{index}] has no role"
+        if not isinstance(content, str):
+            return f"messages[{index}] ({role}) has no text content"
+    if all(not message["content"].strip() for message in conversation):
+        return "messages hold no text"
+    return None
 
 
 def _prompt_error(prompt) -> str | None:

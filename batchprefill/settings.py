@@ -14,6 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from batchprefill import openai_batch
 from batchprefill.dataset import Columns
 from batchprefill.engine.request import SamplingParams
 from batchprefill.errors import JobError
@@ -40,6 +41,7 @@ class DataSettings:
 
 @dataclass(frozen=True)
 class ModelSettings:
+    name: str  # the config group's name; OpenAI results name it as their model
     path: str | None  # null = the shipped GGUF
     dtype: str  # auto | float32 | bfloat16 | float16
     adapter: str | None
@@ -95,12 +97,21 @@ def _data(cfg: DictConfig) -> DataSettings:
     d = cfg.data
     _require(d.order in ("prefix", "input"), f"data.order={d.order!r}: choose prefix or input")
     _require(d.read_batch_rows >= 1 and d.buffer_mb >= 1, "data.read_batch_rows and data.buffer_mb must be >= 1")
-    columns = Columns(prompt=d.prompt_column, id=d.id_column, system=d.system_column, namespace=d.namespace_column)
+    columns = _columns(d)
     return DataSettings(
         input=d.input, format=d.format, columns=columns, chat_template=bool(d.chat_template), order=d.order,
         sharding=_sharding(d.num_shards, d.shard_index), configured_shards=d.num_shards,
         read_batch_rows=int(d.read_batch_rows), buffer_mb=int(d.buffer_mb),
     )
+
+
+def _columns(d: DictConfig) -> Columns:
+    if d.format == "openai_batch":  # the reader's own columns; custom_id is the id
+        return Columns(prompt=openai_batch.PROMPT, id=openai_batch.ID, system=None, namespace=d.namespace_column,
+                       messages=openai_batch.MESSAGES, read_error=openai_batch.ERROR_MESSAGE)
+    messages = d.get("messages_column")
+    return Columns(prompt=None if messages else d.prompt_column, id=d.id_column, system=d.system_column,
+                   namespace=d.namespace_column, messages=messages)
 
 
 def _sharding(count: int | None, index: int | None) -> Sharding:
@@ -116,7 +127,7 @@ def _sharding(count: int | None, index: int | None) -> Sharding:
 
 def _model(cfg: DictConfig) -> ModelSettings:
     m = cfg.model
-    return ModelSettings(path=m.path, dtype=str(m.dtype), adapter=m.adapter)
+    return ModelSettings(name=str(m.name), path=m.path, dtype=str(m.dtype), adapter=m.adapter)
 
 
 def _engine(cfg: DictConfig) -> EngineSettings:

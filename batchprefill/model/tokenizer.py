@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -26,9 +27,14 @@ class PromptTokenizer:
         )
 
     def apply_chat_template(self, prompt: str, system: str | None = None) -> str:
-        if self.chat_template is None:
-            raise ValueError("data.chat_template=true but the model folder has no chat template")
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self.render_conversation(messages)
+
+    def render_conversation(self, messages: list[dict]) -> str:
+        """A conversation (dicts with `role` and `content`) in the chat template, ending with the generation
+        prompt, so the model's answer is the next turn."""
+        if self.chat_template is None:
+            raise ValueError("the model folder has no chat template")
         return self.chat_template.render(
             messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
@@ -40,6 +46,11 @@ class PromptTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 - one tokenizer per job; logprobs name the same tokens often
+    def decode_one(self, token_id: int) -> str:
+        """One token's text, special tokens included (an OpenAI logprobs entry names every token)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _token_text(token) -> str | None:
