@@ -31,6 +31,19 @@ def gguf_name(hf_name: str) -> str:
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[hf_name]
 
 
+VOCAB = 2000  # a prefix of SmolLM2's vocabulary: conversion and transformers' GGUF reader stay fast
+
+
+def small_vocabulary(tokenizer_json: dict, size: int) -> dict:
+    """The first `size` tokens of a byte-level BPE vocabulary and the merges among them: still a whole
+    tokenizer (every byte is in it), whose ids are the original ones."""
+    vocab = {token: i for token, i in tokenizer_json["model"]["vocab"].items() if i < size}
+    merges = [m for m in tokenizer_json["model"]["merges"] if m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
+    added = [t for t in tokenizer_json["added_tokens"] if t["id"] < size]
+    return {**tokenizer_json, "model": {**tokenizer_json["model"], "vocab": vocab, "merges": merges},
+            "added_tokens": added}
+
+
 def write_qwen3_gguf(model: transformers.PreTrainedModel, tokenizer_json: dict, path) -> None:
     """What llama.cpp's converter writes for Qwen3 (NeoX RoPE: Q and K rows kept as HF has them), in float32."""
     cfg = model.config
@@ -67,7 +80,7 @@ def write_qwen3_gguf(model: transformers.PreTrainedModel, tokenizer_json: dict, 
 def test_a_random_qwen3_gguf_converts_to_the_same_logits_and_tokens(tmp_path, model_folder, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
                                       rope_theta=20000.0)
@@ -77,22 +90,22 @@ def test_a_random_qwen3_gguf_converts_to_the_same_logits_and_tokens(tmp_path, mo
             if "norm" in name:  # q/k norms away from 1, so a dropped one shows
                 weight.add_(0.3 * torch.randn_like(weight))
     gguf_path = tmp_path / "tiny-qwen3.gguf"
-    write_qwen3_gguf(reference, json.loads((model_folder / "tokenizer.json").read_text()), gguf_path)
+    tokenizer_json = small_vocabulary(json.loads((model_folder / "tokenizer.json").read_text()), VOCAB)
+    write_qwen3_gguf(reference, tokenizer_json, gguf_path)
 
     folder = resolve_folder(str(gguf_path))
     loaded = load_model(folder, torch.float32, torch.device("cpu"), TorchOps())
     assert loaded.model.config.architecture == "Qwen3ForCausalLM" and loaded.model.config.qk_norm
-    ids = torch.randint(3, 49152, (33,), generator=torch.Generator().manual_seed(4)).tolist()
+    ids = torch.randint(3, VOCAB, (33,), generator=torch.Generator().manual_seed(4)).tolist()
     with torch.no_grad():
         theirs = reference(torch.tensor([ids])).logits[0]
     ours = prefill_logits(loaded.model, ids, chunk=10, block_size=4)
     assert (ours - theirs).abs().max().item() < 1e-4
 
-    text = "In 2026, 12345 bees\n\n  made $honey: 'tis sweet!"
+    text = "In 2026, 12345 bees\n\n  made $honey: 'tis sweet!"  # digits, newlines, "$honey": qwen2 splits apart
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=gguf_path.name)
     ours_ids = PromptTokenizer(folder).encode_batch([text])[0]
     assert ours_ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert ours_ids != PromptTokenizer(model_folder).encode_batch([text])[0]  # qwen2's split, not SmolLM2's
     assert PromptTokenizer(folder).decode(ours_ids) == text
 
 
