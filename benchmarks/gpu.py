@@ -92,6 +92,9 @@ def check_kernels(plan: Plan, device: torch.device, dtype: torch.dtype) -> None:
         scale = plan.head_dim**-0.5
         compare(f"attention, {name}", fast.attention(query, k_cache, v_cache, meta, scale),
                 reference.attention(query, k_cache, v_cache, meta, scale))
+        window = max(8, max(sum(spec) for spec in specs) // 3)  # a sliding window shorter than the contexts
+        compare(f"attention, {name}, window {window}", fast.attention(query, k_cache, v_cache, meta, scale, window),
+                reference.attention(query, k_cache, v_cache, meta, scale, window))
 
     query, k_cache, v_cache, meta = random_paged_batch(next(iter(plan.checks.values())), *shape)
     tokens = query.shape[0]

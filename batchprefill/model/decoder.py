@@ -27,7 +27,7 @@ class DecoderModel(torch.nn.Module):
         self.ops = ops
         family = family_for(config.architecture)
         self.embed = weights["model.embed_tokens.weight"]
-        self.embedding_scale = torch.tensor(config.embedding_scale, dtype=self.embed.dtype)
+        self.embedding_scale = torch.tensor(config.embedding_scale, dtype=self.embed.dtype, device=self.embed.device)
         self.final_norm = norm(weights, "model.norm.weight", config)
         self.lm_head = Linear(self.embed if config.tie_word_embeddings else weights["lm_head.weight"])
         self.layers: list[Layer] = [family.layer(weights, i, config) for i in range(config.num_layers)]
