@@ -68,7 +68,7 @@ def test_groups_sharing_a_prefix_see_only_their_window_of_it() -> None:
     meta.block_tables[1, :6] = meta.block_tables[0, :6]  # the first 24 positions share blocks
     ops = TorchOps()
     got = ops.attention(query, k_cache, v_cache, meta, 0.25, 5)
-    assert len(ops._groups) == 1 and len(ops._groups[0][0].members) == 2
+    assert len(ops._planned) == 1 and len(ops._planned[0][0].members) == 2
     torch.testing.assert_close(got.double(), dense_reference(query, k_cache, v_cache, meta, 0.25, 5),
                                atol=1e-5, rtol=1e-5)
     full = ops.attention(query, k_cache, v_cache, meta, 0.25)  # same step, another layer: no window

@@ -169,7 +169,7 @@ class TorchOps:
 
     def __init__(self) -> None:
         self._batches_for: AttentionMetadata | None = None  # the step the cached group batches belong to
-        self._groups: list[list[Group]] = []
+        self._planned: list[list[Group]] = []  # the step's batches of groups, before their lay-out
         self._batches: dict[int | None, list[GroupBatch]] = {}  # by window: each masks its own keys
         self._alone: list[int] = []  # the step's chunks too long for group attention
         self._rope_for: torch.Tensor | None = None  # the positions the cached cos/sin rows belong to
@@ -186,6 +186,8 @@ class TorchOps:
                   window: int | None = None) -> torch.Tensor:
         """Decodes and chunks go through shared-prefix group attention, a few fused calls for the whole
         step; chunks too long for its dense mask run one fused call each."""
+        if window is not None and window >= max(meta.seq_lens_host, default=0):
+            window = None  # it hides nothing this step: full attention's layout serves
         out = torch.empty_like(query)
         for batch in self._group_batches(meta, query, k_cache, window):
             group_attention(query, k_cache, v_cache, scale, batch, out)
@@ -208,13 +210,13 @@ class TorchOps:
             pairs = [n * seq_len for n, seq_len in zip(lens, meta.seq_lens_host)]
             chunks = [s for s, n in enumerate(lens) if n > 1 and pairs[s] <= GROUPED_MAX_PAIRS]
             self._alone = [s for s, n in enumerate(lens) if n > 1 and pairs[s] > GROUPED_MAX_PAIRS]
-            self._groups = [batch for seqs in (decodes, chunks)
+            self._planned = [batch for seqs in (decodes, chunks)
                             for batch in batch_groups(find_groups(meta, seqs, tables, block), meta)]
             self._batches = {}
             self._batches_for = meta
         if window not in self._batches:
             self._batches[window] = [lay_out(batch, meta, block, query.shape[1] // num_kv_heads, query.dtype,
-                                             query.device, window) for batch in self._groups]
+                                             query.device, window) for batch in self._planned]
         return self._batches[window]
 
     @staticmethod
