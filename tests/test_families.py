@@ -188,3 +188,26 @@ def test_an_unsupported_architecture_fails_with_one_line_naming_it_and_the_suppo
     for name in ("FalconForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                  "MistralForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"):
         assert name in lines[0]
+
+
+def test_triton_and_the_padded_decode_buffers_give_torch_greedy_tokens_past_a_window(family):
+    """Mistral's 8-token window under the Triton kernels, also through the fixed padded buffers CUDA graphs
+    replay (run eagerly here), whose decode launches are planned for the longest context, not the window."""
+    from batchprefill.engine.engine import Engine, EngineConfig
+    from batchprefill.engine.request import Request, SamplingParams
+    from batchprefill.kernels.triton_ops import TritonOps
+
+    folder, _ = family("mistral")
+    prompts = [random_prompt(19, seed=5), random_prompt(12, seed=5) + random_prompt(5, seed=6)]
+    outputs = {}
+    for name, ops, padded in (("torch", TorchOps(), "off"), ("triton", TritonOps(), "off"),
+                              ("padded", TritonOps(), "eager")):
+        loaded = load_model(resolve_folder(str(folder)), torch.float32, torch.device("cpu"), ops)
+        engine = Engine(loaded.model, EngineConfig(block_size=4, max_batched_tokens=10, num_blocks=32, max_num_seqs=2,
+                                                   padded_decode=padded), lambda ids: "", ("tiny",), torch.float32,
+                        torch.device("cpu"))
+        requests = [Request(i, p, SamplingParams(max_tokens=4, ignore_eos=True)) for i, p in enumerate(prompts)]
+        outputs[name] = {r.request_id: r.output_token_ids for r in engine.generate(requests)}
+        assert sum(r.num_cached_tokens for r in requests) == 12  # the second prompt reuses three blocks
+    assert outputs["triton"] == outputs["torch"]
+    assert outputs["padded"] == outputs["torch"]
