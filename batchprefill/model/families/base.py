@@ -21,10 +21,11 @@ from batchprefill.model.config import ModelConfig
 Weights = dict[str, torch.Tensor]
 MLP = Callable[[torch.Tensor], torch.Tensor]
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' names (ACT2FN)
     "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
 
 
