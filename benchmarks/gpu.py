@@ -30,9 +30,10 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
-from batchprefill.kernels.ops import TorchOps, rope_cos_sin  # noqa: E402
-from batchprefill.kernels.synthetic import random_paged_batch  # noqa: E402
+from batchprefill.kernels.torch_ops import TorchOps  # noqa: E402
 from batchprefill.kernels.triton_ops import TritonOps  # noqa: E402
+from batchprefill.model.rope import rope_cos_sin  # noqa: E402
+from tests.synthetic import random_paged_batch  # noqa: E402
 
 PREFILL_GOAL = 0.8  # Triton prefill speed / flash SDPA speed, on equal work
 DECODE_GOAL = 0.7  # fraction of measured copy bandwidth, at contexts of at least DECODE_GOAL_CONTEXT

@@ -20,9 +20,10 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchprefill.errors import JobError
-from batchprefill.kernels.ops import TorchOps, rope_cos_sin
+from batchprefill.kernels.torch_ops import TorchOps
 from batchprefill.model.families import read_config
 from batchprefill.model.loader import load_model, resolve_folder
+from batchprefill.model.rope import rope_cos_sin
 from batchprefill.model.tokenizer import PromptTokenizer
 from tests.conftest import run_cli
 from tests.test_numerics import prefill_logits
@@ -193,7 +194,8 @@ def test_an_unsupported_architecture_fails_with_one_line_naming_it_and_the_suppo
 def test_triton_and_the_padded_decode_buffers_give_torch_greedy_tokens_past_a_window(family):
     """Mistral's 8-token window under the Triton kernels, also through the fixed padded buffers CUDA graphs
     replay (run eagerly here), whose decode launches are planned for the longest context, not the window."""
-    from batchprefill.engine.engine import Engine, EngineConfig
+    from batchprefill.engine.config import EngineConfig
+    from batchprefill.engine.engine import Engine
     from batchprefill.engine.request import Request, SamplingParams
     from batchprefill.kernels.triton_ops import TritonOps
 

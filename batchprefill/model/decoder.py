@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchprefill.kernels.interface import AttentionMetadata, Ops
 from batchprefill.kernels.linear import Linear
-from batchprefill.kernels.ops import AttentionMetadata, Ops, rope_cos_sin
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.families import family_for
 from batchprefill.model.families.base import Layer, Weights, norm
+from batchprefill.model.rope import rope_cos_sin
 
 
 class DecoderModel(torch.nn.Module):
@@ -57,6 +58,7 @@ class DecoderModel(torch.nn.Module):
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed)
+        meta = ops.plan(meta, kv_caches[0][0], cfg.num_heads, hidden.dtype)
         if cfg.embedding_scale != 1.0:
             hidden = hidden * self.embedding_scale
         residual = None
