@@ -128,7 +128,7 @@ def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int) -> En
         padded_decode="graphs" if graphs else "off",
     )
     scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
-             settings.block_size, job.model.adapter)
+             model_config.layer_windows, settings.block_size, job.model.adapter)
     return Engine(loaded.model, config, prepared.tokenizer.decode, scope, kv_dtype, device)
 
 

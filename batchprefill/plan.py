@@ -28,7 +28,7 @@ from batchprefill.settings import JobSettings
 from batchprefill.writer import save_png, write_records
 
 if TYPE_CHECKING:  # pulls in torch, which the entry point loads only after Hydra parsed the command line
-    from batchprefill.model.llama import ModelConfig
+    from batchprefill.model.config import ModelConfig
 
 BITS_PER_BYTE = 8
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from batchprefill.dataset import resolve_input
 from batchprefill.errors import JobError
-from batchprefill.model.llama import ModelConfig
+from batchprefill.model.config import ModelConfig
 from batchprefill.model.loader import model_identity, read_model_config, resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.prepare import PARTITIONS_PER_SHARD, Manifest, PrepareSettings, prepare

@@ -136,6 +136,10 @@ def check_kernels(plan: Plan, device: torch.device, dtype: torch.dtype, checker:
         block_m = fast.plan(meta, k_cache, shape.heads, dtype).plan.block_m
         checker.compare(f"attention, {name} ({block_m}-row tiles)", got,
                         reference.attention(query, k_cache, v_cache, meta, scale))
+        window = max(8, max(sum(spec) for spec in specs) // 3)  # a sliding window shorter than the contexts
+        checker.compare(f"attention, {name}, window {window}", fast.attention(query, k_cache, v_cache, meta, scale,
+                                                                              window),
+                        reference.attention(query, k_cache, v_cache, meta, scale, window))
 
     shape = plan.shape
     fast = TritonOps(**plan.ops_settings)

@@ -23,7 +23,8 @@ from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine, StepRecord
 from batchprefill.engine.request import Request, SamplingParams
 from batchprefill.kernels.triton_ops import TritonOps
-from batchprefill.model.llama import LlamaModel, ModelConfig
+from batchprefill.model.config import ModelConfig
+from batchprefill.model.decoder import DecoderModel
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ HOST_WAIT_GOAL = 0.10  # the most of a step's wall time the GPU may spend waitin
 SPIN_MS = 30.0  # GPU spin ahead of each probed pass: longer than the host takes to launch one
 
 
-def random_model(w: Workload, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def random_model(w: Workload, dtype: torch.dtype, device: torch.device) -> DecoderModel:
     head_dim = w.hidden // w.heads
     config = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=w.vocab, hidden_size=w.hidden, intermediate_size=w.ffn,
@@ -85,7 +86,7 @@ def random_model(w: Workload, dtype: torch.dtype, device: torch.device) -> Llama
             p + "mlp.up_proj.weight": weight(w.ffn, w.hidden),
             p + "mlp.down_proj.weight": weight(w.hidden, w.ffn),
         }
-    return LlamaModel(config, weights, TritonOps())
+    return DecoderModel(config, weights, TritonOps())
 
 
 def prompts(w: Workload) -> list[list[int]]:
@@ -97,7 +98,7 @@ def prompts(w: Workload) -> list[list[int]]:
     return sorted(rows)
 
 
-def _engine(model: LlamaModel, w: Workload, rows: list[list[int]], caching: bool, dtype: torch.dtype,
+def _engine(model: DecoderModel, w: Workload, rows: list[list[int]], caching: bool, dtype: torch.dtype,
             device: torch.device) -> Engine:
     config = EngineConfig(block_size=16, max_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs,
                           num_blocks=sum(len(r) + w.max_tokens for r in rows) // 16 + w.max_num_seqs,

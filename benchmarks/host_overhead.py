@@ -37,7 +37,12 @@ MIN_SEQS = 200
 
 
 def tiny_model():
-    from batchprefill.model.llama import LlamaModel, ModelConfig
+    try:
+        from batchprefill.model.config import ModelConfig
+        from batchprefill.model.decoder import DecoderModel as Model
+    except ImportError:  # revisions before the model families
+        from batchprefill.model.llama import LlamaModel as Model
+        from batchprefill.model.llama import ModelConfig
 
     try:
         from batchprefill.kernels.torch_ops import TorchOps
@@ -66,7 +71,7 @@ def tiny_model():
                     p + "self_attn.o_proj.weight": weight(HIDDEN, HIDDEN),
                     p + "mlp.gate_proj.weight": weight(FFN, HIDDEN), p + "mlp.up_proj.weight": weight(FFN, HIDDEN),
                     p + "mlp.down_proj.weight": weight(HIDDEN, FFN)}
-    return LlamaModel(config, weights, TorchOps())
+    return Model(config, weights, TorchOps())
 
 
 def rows() -> list[list[int]]:

@@ -144,9 +144,9 @@ def test_an_explicit_pool_is_capped_at_what_the_job_can_use(model_folder):
     import torch
 
     from batchprefill.engine.kv_cache import pool_blocks
-    from batchprefill.model.llama import ModelConfig
+    from batchprefill.model.families import read_config
 
-    model = ModelConfig.from_folder(model_folder)
+    model = read_config(model_folder)
     cpu = torch.device("cpu")
     # 1,000 tokens of prompts and outputs: 63 blocks, plus one partial block per sequence that may run at once
     assert pool_blocks(model, torch.float32, cpu, 16, 8, requested_tokens=1_000_000, tokens_needed=1000) == 63 + 8

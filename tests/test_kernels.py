@@ -15,7 +15,8 @@ from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.torch_ops import TorchOps
 from batchprefill.kernels.triton_attention import _decode_kernel, _merge_kernel, _prefill_kernel
 from batchprefill.kernels.triton_ops import TritonOps, prefill_warps_and_stages
-from batchprefill.model.llama import LlamaModel, ModelConfig
+from batchprefill.model.config import ModelConfig
+from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.rope import rope_cos_sin
 from tests.synthetic import random_paged_batch
 
@@ -174,7 +175,7 @@ def test_arguments_that_change_every_step_are_not_specialized() -> None:
         assert names <= set(declared["do_not_specialize_on_alignment"])
 
 
-def _tiny_decoder(device: torch.device) -> LlamaModel:
+def _tiny_decoder(device: torch.device) -> DecoderModel:
     config = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=1,
         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
@@ -188,7 +189,7 @@ def _tiny_decoder(device: torch.device) -> LlamaModel:
               "model.layers.0.mlp.gate_proj.weight": (96, 64), "model.layers.0.mlp.up_proj.weight": (96, 64),
               "model.layers.0.mlp.down_proj.weight": (64, 96)}
     weights = {name: (0.3 * torch.randn(shape, generator=gen)).to(device) for name, shape in shapes.items()}
-    return LlamaModel(config, weights, TritonOps())
+    return DecoderModel(config, weights, TritonOps())
 
 
 def test_padded_decode_of_3_then_2_rows_matches_the_unpadded_forward_despite_stale_buffers() -> None:

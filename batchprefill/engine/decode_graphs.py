@@ -17,14 +17,14 @@ import numpy as np
 import torch
 
 from batchprefill.kernels.interface import AttentionMetadata
-from batchprefill.model.llama import LlamaModel
+from batchprefill.model.decoder import DecoderModel
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 HEAD_ROWS = 4  # the staged head: token ids, positions, slots, sequence lengths, one row of `size` each
 
 
 class PaddedDecode:
-    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+    def __init__(self, model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_num_seqs: int, device: torch.device, capture: bool):
         if kv_caches[0][0].shape[0] * block_size >= 2**31:
             raise ValueError("the KV pool has more slots than int32 staging can address")

@@ -14,7 +14,7 @@ from batchprefill.engine.model_runner import ModelRunner
 from batchprefill.engine.request import Request
 from batchprefill.engine.scheduler import Scheduler
 from batchprefill.engine.step import Step
-from batchprefill.model.llama import LlamaModel
+from batchprefill.model.decoder import DecoderModel
 
 
 @dataclass
@@ -52,7 +52,7 @@ class EngineCounters:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, config: EngineConfig, detokenize: Callable[[list[int]], str],
+    def __init__(self, model: DecoderModel, config: EngineConfig, detokenize: Callable[[list[int]], str],
                  model_scope: tuple, kv_dtype: torch.dtype, device: torch.device):
         """`model_scope`: everything about the model that changes KV for the same tokens (the cache's scope)."""
         self.config = config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from batchprefill.intmath import cdiv
-from batchprefill.model.llama import ModelConfig
+from batchprefill.model.config import ModelConfig
 
 CPU_KV_MEMORY_FRACTION = 0.25
 GPU_KV_MEMORY_FRACTION = 0.8

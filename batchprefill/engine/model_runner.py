@@ -12,11 +12,11 @@ from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import sample
 from batchprefill.engine.step import Step
 from batchprefill.kernels.interface import AttentionMetadata
-from batchprefill.model.llama import LlamaModel
+from batchprefill.model.decoder import DecoderModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, padded_decode: str = "off", max_num_seqs: int = 256):
         """`padded_decode`: "off", "eager" (fixed padded buffers, no capture: for tests) or "graphs" (CUDA)."""
         self.model = model

@@ -78,9 +78,16 @@ class TorchOps:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
-    def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                  window: int | None = None) -> torch.Tensor:
         """A few fused calls for the whole step: decodes, then batches of short chunks; chunks too long for a
-        dense mask run one fused call each."""
+        dense mask run one fused call each. A sliding window that hides keys this step runs each sequence
+        alone over the keys its window holds (the group plans assume full attention)."""
+        if window is not None and window < max(meta.seq_lens_host, default=0):
+            out = torch.empty_like(query)
+            for s in range(meta.num_seqs):
+                self._one_windowed(query, k_cache, v_cache, meta, scale, s, out, window)
+            return out
         if meta.plan is None:  # a caller outside the model (a test, a benchmark) planned nothing
             meta = self.plan(meta, k_cache, query.shape[1], query.dtype)
         out = torch.empty_like(query)
@@ -93,10 +100,27 @@ class TorchOps:
         return out
 
     @staticmethod
-    def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-        """The first `length` cached tokens of one sequence: `[length, Hkv, D]`."""
-        num_blocks = cdiv(length, cache.shape[1])
-        return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:length]
+    def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, first_block: int = 0) -> torch.Tensor:
+        """One sequence's cached tokens from block `first_block` up to position `length`: `[tokens, Hkv, D]`."""
+        size = cache.shape[1]
+        blocks = cache.index_select(0, block_table[first_block : cdiv(length, size)].long()).flatten(0, 1)
+        return blocks[: length - first_block * size]
+
+    def _one_windowed(self, query, k_cache, v_cache, meta, scale, s, out, window: int) -> None:
+        """One sequence under a sliding window: the query at position p sees keys p - window + 1 .. p, and
+        blocks wholly left of every query's window are not even read."""
+        start, q_len, seq_len = int(meta.query_start[s]), meta.query_lens_host[s], meta.seq_lens_host[s]
+        first_block = max(0, seq_len - q_len - window + 1) // k_cache.shape[1]
+        keys = self._gather(k_cache, meta.block_tables[s], seq_len, first_block).to(query.dtype)
+        values = self._gather(v_cache, meta.block_tables[s], seq_len, first_block).to(query.dtype)
+        key_pos = torch.arange(first_block * k_cache.shape[1], seq_len, device=query.device)
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        offset = query_pos[:, None] - key_pos[None, :]
+        mask = (offset >= 0) & (offset < window)
+        q = query[start : start + q_len].transpose(0, 1)[None]
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        result = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = result[0].transpose(0, 1)
 
     def _one_sequence(self, query, k_cache, v_cache, meta, scale, s, out) -> None:
         start, q_len, seq_len = int(meta.query_start[s]), meta.query_lens_host[s], meta.seq_lens_host[s]
@@ -124,7 +148,7 @@ class TorchOps:
         return (x32 * inverse_rms).mul_(weight).to(x.dtype), x
 
     def rope(self, query, key, positions, cos_sin):
-        table = cos_sin[positions]
+        table = cos_sin[positions]  # per call: layers may differ in their table (Gemma 3's two RoPE bases)
         half = table.shape[-1] // 2
         cos, sin = table[:, None, :half], table[:, None, half:]
         cos, signed_sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)

