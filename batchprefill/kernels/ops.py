@@ -1,6 +1,6 @@
 """The ops the model calls, their metadata, and the plain torch implementation.
 
-Every backend implements the same five functions with the same tensor layouts, so the model never
+Every backend implements the same functions with the same tensor layouts, so the model never
 knows which one runs. The torch path is both the CPU path and the reference the Triton kernels are
 tested against.
 
@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from batchprefill.kernels.experts import ExpertWeights, torch_experts
 from batchprefill.kernels.prefix_groups import GroupBatch, batch_groups, find_groups, group_attention, lay_out
 
 
@@ -77,6 +78,12 @@ class Ops(Protocol):
 
         `cos_sin` is `[max_positions, D]`: the first D/2 columns are cos, the last D/2 sin.
         """
+
+    def moe(
+        self, hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Mixture-of-experts MLP `[T, H]` -> `[T, H]`: each token's `topk_ids` `[T, K]` experts, weighted by
+        `topk_weights` `[T, K]` (float32) and summed."""
 
 
 def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -213,6 +220,9 @@ class TorchOps:
             cos, sin = table[:, None, :half], table[:, None, half:]
             self._rope_for, self._rope = positions, (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
         return _rotate(query, *self._rope), _rotate(key, *self._rope)
+
+    def moe(self, hidden, experts, topk_weights, topk_ids):
+        return torch_experts(hidden, experts, topk_weights, topk_ids)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
