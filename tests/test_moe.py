@@ -77,3 +77,51 @@ def test_each_expert_with_tokens_runs_once_over_all_of_them(monkeypatch: pytest.
             gate, up = linear(hidden[t], experts.gate_up[e]).chunk(2)
             expected[t] += weights[t, k] * linear(torch.nn.functional.silu(gate) * up, experts.down[e])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # bf16: interpreter casts truncate
+
+
+def _random_step(tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    # Scaled by 1/sqrt(fan-in), as trained weights are, so outputs are of order 1 and the tolerance means the same
+    experts = ExpertWeights((torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(dtype),
+                            (torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype))
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weights, ids = route(torch.randn(tokens, num_experts, generator=gen), top_k, normalize=False)
+    return x, experts, weights, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "hidden", "inter", "num_experts", "top_k"), [
+    (37, 48, 40, 8, 2),  # ragged: no dimension a multiple of a tile
+    (1, 32, 64, 4, 2),  # one decode token: all but two experts idle
+    (20, 64, 32, 3, 3),  # every token in every expert
+], ids=["37-tokens-8-experts", "1-token", "all-experts"])
+def test_fused_triton_moe_matches_the_torch_grouped_path(tokens, hidden, inter, num_experts, top_k, dtype) -> None:
+    from batchprefill.kernels.triton_ops import TritonOps
+
+    x, experts, weights, ids = _random_step(tokens, hidden, inter, num_experts, top_k, dtype, seed=tokens)
+    got = TritonOps().moe(x, experts, weights, ids)
+    expected = TorchOps().moe(x, experts, weights, ids)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    torch.testing.assert_close(got, expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_sorting_37_tokens_top_2_over_8_experts_pads_each_expert_to_whole_16_row_tiles() -> None:
+    from batchprefill.kernels.triton_moe import sort_by_expert
+
+    ids = torch.randint(0, 8, (37, 2), generator=torch.Generator().manual_seed(6))
+    ids[:, 1] = (ids[:, 0] + 1) % 8  # two distinct experts per token, as top-k gives
+    ids[ids == 5] = 4  # expert 5 gets no rows (a token may then repeat expert 4: the sort does not care)
+    sorted_pairs, tile_experts = sort_by_expert(ids, 8, 16)
+    assert sorted_pairs.numel() == tile_experts.numel() * 16 == 16 * -(-(74 + 8 * 15) // 16)
+    counts = torch.bincount(ids.flatten(), minlength=8)
+    tiles = sorted_pairs.view(-1, 16)
+    for expert in range(8):
+        mine = tiles[tile_experts == expert]
+        assert mine.shape[0] == -(-int(counts[expert]) // 16)  # whole tiles, no spare one
+        real = mine[mine < 74]
+        assert (ids.flatten()[real.long()] == expert).all() and real.numel() == counts[expert]
+    assert (tiles[tile_experts == 8] == 74).all()  # tiles past the end hold only the sentinel
+    assert sorted(sorted_pairs[sorted_pairs < 74].tolist()) == list(range(74))  # every pair exactly once
