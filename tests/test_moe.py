@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from batchprefill.kernels.experts import ExpertWeights, torch_experts
+from batchprefill.kernels.linear import Linear, onednn_packs
 from batchprefill.kernels.ops import TorchOps
 from batchprefill.model.moe import SparseMoe, route
 
@@ -65,17 +66,18 @@ def test_each_expert_with_tokens_runs_once_over_all_of_them(monkeypatch: pytest.
     ids = torch.tensor([[0, 1], [1, 3], [3, 0], [0, 1], [1, 3], [3, 0], [0, 1], [1, 3], [3, 0], [0, 3]])
     weights = torch.rand(10, 2, generator=gen)
     hidden = torch.randn(10, 8, generator=gen)
+    reference = ExpertWeights(experts.gate_up.clone(), experts.down.clone())
     calls: list[int] = []
-    linear = torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, *a: calls.append(x.shape[0]) or linear(x, w, *a))
+    call = Linear.__call__
+    monkeypatch.setattr(Linear, "__call__", lambda self, x: calls.append(x.shape[0]) or call(self, x))
     got = torch_experts(hidden, experts, weights, ids)
     assert sorted(calls) == [6, 6, 7, 7, 7, 7]  # experts 0, 1, 3 take 7, 6, 7 rows; each runs two matmuls
     expected = torch.zeros_like(hidden)
     for t in range(10):
         for k in range(2):
             e = int(ids[t, k])
-            gate, up = linear(hidden[t], experts.gate_up[e]).chunk(2)
-            expected[t] += weights[t, k] * linear(torch.nn.functional.silu(gate) * up, experts.down[e])
+            gate, up = (reference.gate_up[e] @ hidden[t]).chunk(2)
+            expected[t] += weights[t, k] * (reference.down[e] @ (torch.nn.functional.silu(gate) * up))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -102,8 +104,9 @@ def test_fused_triton_moe_matches_the_torch_grouped_path(tokens, hidden, inter, 
     from batchprefill.kernels.triton_ops import TritonOps
 
     x, experts, weights, ids = _random_step(tokens, hidden, inter, num_experts, top_k, dtype, seed=tokens)
+    for_torch = ExpertWeights(experts.gate_up.clone(), experts.down.clone())  # the torch path may repack its own
     got = TritonOps().moe(x, experts, weights, ids)
-    expected = TorchOps().moe(x, experts, weights, ids)
+    expected = TorchOps().moe(x, for_torch, weights, ids)
     assert got.dtype == dtype and got.shape == (tokens, hidden)
     torch.testing.assert_close(got, expected, atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -125,3 +128,14 @@ def test_sorting_37_tokens_top_2_over_8_experts_pads_each_expert_to_whole_16_row
         assert (ids.flatten()[real.long()] == expert).all() and real.numel() == counts[expert]
     assert (tiles[tile_experts == 8] == 74).all()  # tiles past the end hold only the sentinel
     assert sorted(sorted_pairs[sorted_pairs < 74].tolist()) == list(range(74))  # every pair exactly once
+
+
+@pytest.mark.skipif(not onednn_packs(torch.zeros(1)), reason="this torch build has no oneDNN")
+def test_experts_packed_for_the_cpu_keep_one_copy_and_refuse_the_fused_kernel() -> None:
+    from batchprefill.kernels.triton_ops import TritonOps
+
+    x, experts, weights, ids = _random_step(5, 32, 16, 4, 2, torch.float32, seed=7)
+    TorchOps().moe(x, experts, weights, ids)
+    assert experts.gate_up is None and experts.down is None and len(experts.linears) == 4
+    with pytest.raises(ValueError, match="packed for the CPU"):
+        TritonOps().moe(x, experts, weights, ids)

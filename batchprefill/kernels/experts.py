@@ -7,36 +7,49 @@ put back in pair order and summed over the slots with their router weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from batchprefill.kernels.linear import Linear
 
-@dataclass(frozen=True)
+
 class ExpertWeights:
-    """One MoE layer's SwiGLU experts, stacked: `down(silu(gate(x)) * up(x))` for expert e.
+    """One MoE layer's SwiGLU experts: `down(silu(gate(x)) * up(x))` for expert e.
 
-    gate_up: `[E, 2I, H]`, gate rows first, then up rows; down: `[E, H, I]`. Both backends read this layout,
-    so the weights are held once.
+    Held stacked, as the fused kernel reads them: gate_up `[E, 2I, H]` (gate rows first, then up rows) and
+    down `[E, H, I]`. The torch path wants one prepacked matrix per expert instead (on this machine's CPU,
+    oneDNN-packed experts run 1.3-2.9x faster than `F.linear` on the stacked slices, 2-256 rows each): `linears`
+    builds them on first use and, where that packing copied the weights, drops the stacked tensors, so the
+    layer is held once in whichever layout its backend runs.
     """
 
-    gate_up: torch.Tensor
-    down: torch.Tensor
-
-    @property
-    def num_experts(self) -> int:
-        return self.gate_up.shape[0]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.down.shape[2]
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        self.num_experts, self.intermediate_size = gate_up.shape[0], down.shape[2]
+        self.gate_up: torch.Tensor | None = gate_up
+        self.down: torch.Tensor | None = down
+        self._linears: list[tuple[Linear, Linear]] = []
 
     @classmethod
     def stack(cls, gates: list[torch.Tensor], ups: list[torch.Tensor], downs: list[torch.Tensor]) -> ExpertWeights:
         """From per-expert `[I, H]` gate and up and `[H, I]` down matrices, the layout checkpoints store."""
         gate_up = torch.stack([torch.cat([gate, up]) for gate, up in zip(gates, ups, strict=True)])
-        return cls(gate_up=gate_up, down=torch.stack(downs))
+        return cls(gate_up, torch.stack(downs))
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.gate_up is None or self.down is None:
+            raise ValueError("these expert weights were packed for the CPU's torch path; the fused kernel needs them "
+                             "stacked on the GPU")
+        return self.gate_up, self.down
+
+    @property
+    def linears(self) -> list[tuple[Linear, Linear]]:
+        """(gate_up, down) per expert, prepacked where the device allows it."""
+        if not self._linears:
+            gate_up, down = self.stacked()
+            self._linears = [(Linear(gate_up[e]), Linear(down[e])) for e in range(self.num_experts)]
+            if self._linears[0][0].packed:
+                self.gate_up = self.down = None
+        return self._linears
 
 
 def torch_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor,
@@ -55,12 +68,12 @@ def torch_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: to
     counts = torch.bincount(flat_ids, minlength=experts.num_experts).tolist()
     outputs = torch.empty_like(sorted_rows)
     start = 0
-    for expert, count in enumerate(counts):
+    for (gate_up, down), count in zip(experts.linears, counts, strict=True):
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate, up = F.linear(sorted_rows[rows], experts.gate_up[expert]).chunk(2, dim=-1)
-        outputs[rows] = F.linear(F.silu(gate) * up, experts.down[expert])
+        gate, up = gate_up(sorted_rows[rows]).chunk(2, dim=-1)
+        outputs[rows] = down(F.silu(gate) * up)
         start += count
     by_pair = torch.empty_like(outputs)
     by_pair[order] = outputs

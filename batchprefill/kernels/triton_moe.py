@@ -129,7 +129,7 @@ def fused_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: to
     if num_tokens == 0:
         return torch.empty_like(hidden)
     hidden = hidden.contiguous()
-    gate_up, down = experts.gate_up, experts.down
+    gate_up, down = experts.stacked()
     if gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError("expert weights must be contiguous in their input dimension")
     block_m = _block_m(num_pairs, experts.num_experts)
