@@ -20,7 +20,8 @@ from batchprefill.engine.engine import Engine, EngineConfig
 from batchprefill.engine.request import Request
 from batchprefill.errors import JobError
 from batchprefill.malloc import keep_freed_memory
-from batchprefill.model.llama import ModelConfig
+from batchprefill.model.config import ModelConfig
+from batchprefill.model.families import read_config
 from batchprefill.model.loader import (
     load_model,
     make_ops,
@@ -82,7 +83,7 @@ def prepare_job(cfg: DictConfig) -> Prepared:
     sharding = settings.sharding(cfg)
     files, fmt = resolve_input(cfg.data.input, cfg.data.format)
     folder = resolve_folder(cfg.model.path)
-    model_config = ModelConfig.from_folder(folder)
+    model_config = read_config(folder)
     tokenizer = PromptTokenizer(folder)
     if cfg.data.chat_template and tokenizer.chat_template is None:
         raise JobError(f"data.chat_template=true but {folder} has no chat template")

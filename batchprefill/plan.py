@@ -32,7 +32,7 @@ from batchprefill.writer import write_records
 if TYPE_CHECKING:  # both pull in heavy packages the entry point loads only after Hydra parsed the command line
     from matplotlib.figure import Figure
 
-    from batchprefill.model.llama import ModelConfig
+    from batchprefill.model.config import ModelConfig
 
 BITS_PER_BYTE = 8
 

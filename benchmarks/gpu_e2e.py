@@ -15,7 +15,8 @@ import torch
 from batchprefill.engine.engine import Engine, EngineConfig
 from batchprefill.engine.request import Request, SamplingParams
 from batchprefill.kernels.triton_ops import TritonOps
-from batchprefill.model.llama import LlamaModel, ModelConfig
+from batchprefill.model.config import ModelConfig
+from batchprefill.model.decoder import DecoderModel
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ SMOKE = Workload(layers=1, hidden=128, ffn=256, heads=4, kv_heads=2, vocab=512, 
                  prefix_tokens=32, question_tokens=5, max_tokens=2, budget=48, max_num_seqs=4)
 
 
-def random_model(w: Workload, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def random_model(w: Workload, dtype: torch.dtype, device: torch.device) -> DecoderModel:
     head_dim = w.hidden // w.heads
     config = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=w.vocab, hidden_size=w.hidden, intermediate_size=w.ffn,
@@ -71,7 +72,7 @@ def random_model(w: Workload, dtype: torch.dtype, device: torch.device) -> Llama
             p + "mlp.up_proj.weight": weight(w.ffn, w.hidden),
             p + "mlp.down_proj.weight": weight(w.hidden, w.ffn),
         }
-    return LlamaModel(config, weights, TritonOps())
+    return DecoderModel(config, weights, TritonOps())
 
 
 def prompts(w: Workload) -> list[list[int]]:

@@ -134,9 +134,9 @@ def test_an_explicit_pool_is_capped_at_what_the_job_can_use(model_folder):
     from omegaconf import OmegaConf
 
     from batchprefill.job import _num_blocks
-    from batchprefill.model.llama import ModelConfig
+    from batchprefill.model.families import read_config
 
-    model = ModelConfig.from_folder(model_folder)
+    model = read_config(model_folder)
     cfg = OmegaConf.create({"engine": {"block_size": 16, "max_num_seqs": 8, "kv_cache_tokens": 1_000_000}})
     # 1,000 tokens of prompts and outputs: 63 blocks, plus one partial block per sequence that may run at once
     assert _num_blocks(cfg, model, torch.float32, torch.device("cpu"), tokens_needed=1000) == 63 + 8

@@ -11,7 +11,8 @@ from batchprefill.engine.engine import Engine, EngineConfig
 from batchprefill.engine.request import Request, SamplingParams
 from batchprefill.errors import JobError
 from batchprefill.kernels.ops import TorchOps
-from batchprefill.model.llama import LlamaModel, ModelConfig
+from batchprefill.model.decoder import DecoderModel
+from batchprefill.model.families import read_config
 from batchprefill.model.loader import load_model, resolve_folder
 from tests.test_numerics import prefill_logits
 
@@ -54,11 +55,11 @@ def test_rope_theta_is_read_from_either_config_layout(tmp_path, model_folder):
     raw.pop("rope_parameters", None)
     raw["rope_theta"] = 1234.0
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    assert ModelConfig.from_folder(tmp_path).rope_theta == 1234.0
+    assert read_config(tmp_path).rope_theta == 1234.0
     raw.pop("rope_theta")
     raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 4321.0}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    assert ModelConfig.from_folder(tmp_path).rope_theta == 4321.0
+    assert read_config(tmp_path).rope_theta == 4321.0
 
 
 def test_a_folder_without_a_tokenizer_is_a_job_error(tmp_path):
@@ -73,14 +74,14 @@ def test_triton_backend_gives_the_torch_backend_greedy_tokens(tmp_path, model_fo
     from batchprefill.kernels.triton_ops import TritonOps
 
     save_tiny("llama", tmp_path, model_folder)
-    config = ModelConfig.from_folder(tmp_path)
+    config = read_config(tmp_path)
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     weights = {k: v.float() for k, v in reference.state_dict().items()}
     prompts = [list(range(7, 40)), list(range(7, 30)) + [5, 6, 7], [9] * 5]
     outputs = {}
     backends = (("torch", TorchOps(), "off"), ("triton", TritonOps(), "off"), ("padded", TritonOps(), "eager"))
     for name, ops, padded in backends:
-        engine = Engine(LlamaModel(config, weights, ops), EngineConfig(block_size=8, max_batched_tokens=24,
+        engine = Engine(DecoderModel(config, weights, ops), EngineConfig(block_size=8, max_batched_tokens=24,
                         num_blocks=64, max_num_seqs=4, padded_decode=padded), lambda ids: "", ("tiny",),
                         torch.float32, torch.device("cpu"))
         requests = [Request(i, p, SamplingParams(max_tokens=5, ignore_eos=True)) for i, p in enumerate(prompts)]

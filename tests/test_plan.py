@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchprefill.model.llama import ModelConfig
+from batchprefill.model.families import read_config
 from batchprefill.plan import PLAN_SCHEMA, attention_pairs, kv_bytes_per_token, prefill_flops, transfer_seconds
 from tests.conftest import run_cli
 
@@ -112,7 +112,7 @@ def test_plan_counts_requests_groups_and_ideal_tokens(plans, tokenizer) -> None:
 
 def test_plan_costs_follow_the_model(plans, tokenizer, model_folder) -> None:
     prefix, _ = plans
-    model = ModelConfig.from_folder(model_folder)
+    model = read_config(model_folder)
     lengths = [len(ids) for ids in tokenizer.encode_batch(_prompts()[:-1])]
     without = prefill_flops(sum(lengths), model.num_parameters(), model.num_layers, model.num_heads,
                             model.head_dim, sum(attention_pairs(0, n) for n in lengths))

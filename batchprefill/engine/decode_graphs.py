@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 
 from batchprefill.kernels.ops import AttentionMetadata
-from batchprefill.model.llama import LlamaModel
+from batchprefill.model.decoder import DecoderModel
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
 class PaddedDecode:
-    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+    def __init__(self, model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_num_seqs: int, device: torch.device, capture: bool):
         self.model = model
         self.kv_caches = kv_caches

@@ -13,7 +13,7 @@ from batchprefill.engine.model_runner import ModelRunner
 from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import sample
 from batchprefill.engine.scheduler import Scheduler
-from batchprefill.model.llama import LlamaModel
+from batchprefill.model.decoder import DecoderModel
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class EngineCounters:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, config: EngineConfig, decode: Callable[[list[int]], str],
+    def __init__(self, model: DecoderModel, config: EngineConfig, decode: Callable[[list[int]], str],
                  model_scope: tuple, kv_dtype: torch.dtype, device: torch.device):
         self.config = config
         self.decode = decode

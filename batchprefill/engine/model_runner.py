@@ -8,11 +8,11 @@ import torch
 from batchprefill.engine.decode_graphs import PaddedDecode
 from batchprefill.engine.scheduler import Step
 from batchprefill.kernels.ops import AttentionMetadata
-from batchprefill.model.llama import LlamaModel
+from batchprefill.model.decoder import DecoderModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, padded_decode: str = "off", max_num_seqs: int = 256):
         """`padded_decode`: "off", "eager" (fixed padded buffers, no capture: for tests) or "graphs" (CUDA)."""
         cfg = model.config

@@ -12,6 +12,7 @@ Layouts:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from batchprefill.kernels.experts import ExpertWeights, torch_experts
-from batchprefill.kernels.prefix_groups import GroupBatch, batch_groups, find_groups, group_attention, lay_out
+from batchprefill.kernels.prefix_groups import Group, GroupBatch, batch_groups, find_groups, group_attention, lay_out
 
 
 @dataclass
@@ -55,12 +56,13 @@ class Ops(Protocol):
 
     def attention(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-        scale: float,
+        scale: float, window: int | None = None,
     ) -> torch.Tensor:
         """Causal paged attention for a flat batch: query `[T, Hq, D]` -> `[T, Hq, D]`.
 
-        Query j of sequence s sits at absolute position `seq_len - query_len + j` and attends to every
-        cached position up to and including its own. Hq is a multiple of Hkv (GQA).
+        Query j of sequence s sits at absolute position `p = seq_len - query_len + j` and attends to every
+        cached position up to and including its own; with a sliding `window`, only to positions above
+        `p - window`. Hq is a multiple of Hkv (GQA).
         """
 
     def rms_norm(
@@ -86,13 +88,48 @@ class Ops(Protocol):
         `topk_weights` `[T, K]` (float32) and summed."""
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
 def rope_cos_sin(head_dim: int, max_positions: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """The `[max_positions, head_dim]` cos|sin table for rotate-half RoPE, in float32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+    """The `[max_positions, head_dim]` cos|sin table for rotate-half RoPE, in float32.
+
+    `head_dim` is the rotated width (less than the head under partial rotary). Longrope's table takes its
+    short factors below `original_max_position_embeddings` and its long ones from there on: per position,
+    so a block's KV never depends on how long its sequence grows (transformers picks one set for the whole
+    sequence by its length; the two agree on every sequence within the original context).
+    """
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    positions = torch.arange(max_positions, dtype=torch.float64)
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
         inv_freq = _llama3_scaled(inv_freq, scaling)
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    elif kind == "longrope":
+        return _longrope_table(exponents, positions, theta, scaling, max_positions)
+    angles = torch.outer(positions, inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def _longrope_table(exponents: torch.Tensor, positions: torch.Tensor, theta: float, scaling: dict,
+                    max_positions: int) -> torch.Tensor:
+    """Phi-3's longrope: per-frequency stretch factors (short or long) and an attention factor on cos and sin."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_positions / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    tables = []
+    for ext in (scaling["short_factor"], scaling["long_factor"]):
+        inv_freq = 1.0 / (torch.tensor(ext, dtype=torch.float64) * theta**exponents)
+        angles = torch.outer(positions, inv_freq)
+        tables.append(torch.cat([angles.cos(), angles.sin()], dim=-1) * attention)
+    short, long = tables
+    return torch.where((positions < original)[:, None], short, long).float()
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -139,10 +176,11 @@ class TorchOps:
 
     def __init__(self) -> None:
         self._batches_for: AttentionMetadata | None = None  # the step the cached group batches belong to
-        self._batches: list[GroupBatch] = []
+        self._groups: list[list[Group]] = []
+        self._batches: dict[int | None, list[GroupBatch]] = {}  # by window: each masks its own keys
         self._alone: list[int] = []  # the step's chunks too long for group attention
         self._rope_for: torch.Tensor | None = None  # the positions the cached cos/sin rows belong to
-        self._rope: tuple[torch.Tensor, ...] = ()
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id of the table (one per RoPE base)
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         if bool((slot_mapping < 0).any()):  # only padded batches skip rows: avoid masking the common case
@@ -151,45 +189,54 @@ class TorchOps:
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
-    def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                  window: int | None = None) -> torch.Tensor:
         """Decodes and chunks go through shared-prefix group attention, a few fused calls for the whole
         step; chunks too long for its dense mask run one fused call each."""
         out = torch.empty_like(query)
-        for batch in self._group_batches(meta, query, k_cache):
+        for batch in self._group_batches(meta, query, k_cache, window):
             group_attention(query, k_cache, v_cache, scale, batch, out)
         for s in self._alone:
-            self._one_sequence(query, k_cache, v_cache, meta, scale, s, out)
+            self._one_sequence(query, k_cache, v_cache, meta, scale, s, out, window)
         return out
 
-    def _group_batches(self, meta: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor) -> list[GroupBatch]:
-        """The step's group batches: built on the first layer, reused by the others.
+    def _group_batches(self, meta: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor,
+                       window: int | None) -> list[GroupBatch]:
+        """The step's group batches: grouped on the first layer, laid out once per window, reused by the
+        other layers.
 
         Decodes and chunks are grouped apart, so a decode is never padded to a chunk's width; `_alone`
         gets the chunks too long to group.
         """
+        block, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         if self._batches_for is not meta:
-            block, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
             lens, tables = meta.query_lens_host, meta.block_tables.tolist()
             decodes = [s for s, n in enumerate(lens) if n == 1]
             pairs = [n * seq_len for n, seq_len in zip(lens, meta.seq_lens_host)]
             chunks = [s for s, n in enumerate(lens) if n > 1 and pairs[s] <= GROUPED_MAX_PAIRS]
             self._alone = [s for s, n in enumerate(lens) if n > 1 and pairs[s] > GROUPED_MAX_PAIRS]
-            self._batches = []
-            for seqs in (decodes, chunks):
-                for batch in batch_groups(find_groups(meta, seqs, tables, block), meta):
-                    self._batches.append(lay_out(batch, meta, block, query.shape[1] // num_kv_heads, query.dtype,
-                                                 query.device))
+            self._groups = [batch for seqs in (decodes, chunks)
+                            for batch in batch_groups(find_groups(meta, seqs, tables, block), meta)]
+            self._batches = {}
             self._batches_for = meta
-        return self._batches
+        if window not in self._batches:
+            self._batches[window] = [lay_out(batch, meta, block, query.shape[1] // num_kv_heads, query.dtype,
+                                             query.device, window) for batch in self._groups]
+        return self._batches[window]
 
     @staticmethod
-    def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-        """The first `length` cached tokens of one sequence: `[length, Hkv, D]`."""
-        num_blocks = -(-length // cache.shape[1])
-        return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:length]
+    def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, first_block: int = 0) -> torch.Tensor:
+        """One sequence's cached tokens from block `first_block` up to position `length`: `[tokens, Hkv, D]`."""
+        size = cache.shape[1]
+        num_blocks = -(-length // size)
+        blocks = cache.index_select(0, block_table[first_block:num_blocks].long()).flatten(0, 1)
+        return blocks[: length - first_block * size]
 
-    def _one_sequence(self, query, k_cache, v_cache, meta, scale, s, out) -> None:
+    def _one_sequence(self, query, k_cache, v_cache, meta, scale, s, out, window: int | None = None) -> None:
         start, q_len, seq_len = int(meta.query_start[s]), meta.query_lens_host[s], meta.seq_lens_host[s]
+        if window is not None and seq_len > window:  # keys left of every query's window are not even read
+            self._one_windowed(query, k_cache, v_cache, meta, scale, s, out, window)
+            return
         keys = self._gather(k_cache, meta.block_tables[s], seq_len).to(query.dtype)
         values = self._gather(v_cache, meta.block_tables[s], seq_len).to(query.dtype)
         # 4-D [1, H, L, D] inputs: with a batch dimension torch takes its fused CPU kernel, not the math path.
@@ -206,6 +253,21 @@ class TorchOps:
             result = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = result[0].transpose(0, 1)
 
+    def _one_windowed(self, query, k_cache, v_cache, meta, scale, s, out, window: int) -> None:
+        """One chunk under a sliding window: query at position p sees keys p - window + 1 .. p."""
+        start, q_len, seq_len = int(meta.query_start[s]), meta.query_lens_host[s], meta.seq_lens_host[s]
+        first_block = max(0, seq_len - q_len - window + 1) // k_cache.shape[1]
+        keys = self._gather(k_cache, meta.block_tables[s], seq_len, first_block).to(query.dtype)
+        values = self._gather(v_cache, meta.block_tables[s], seq_len, first_block).to(query.dtype)
+        key_pos = torch.arange(first_block * k_cache.shape[1], seq_len, device=query.device)
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        offset = query_pos[:, None] - key_pos[None, :]
+        mask = (offset >= 0) & (offset < window)
+        q = query[start : start + q_len].transpose(0, 1)[None]
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        result = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = result[0].transpose(0, 1)
+
     def rms_norm(self, x, weight, eps, residual=None):
         if residual is not None:
             x = x + residual
@@ -215,11 +277,14 @@ class TorchOps:
 
     def rope(self, query, key, positions, cos_sin):
         if self._rope_for is not positions:  # every layer of a step rotates by the same positions
+            self._rope_for, self._rope = positions, {}
+        if id(cos_sin) not in self._rope:
             table = cos_sin[positions]
             half = table.shape[-1] // 2
             cos, sin = table[:, None, :half], table[:, None, half:]
-            self._rope_for, self._rope = positions, (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
-        return _rotate(query, *self._rope), _rotate(key, *self._rope)
+            self._rope[id(cos_sin)] = (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
+        rows = self._rope[id(cos_sin)]
+        return _rotate(query, *rows), _rotate(key, *rows)
 
     def moe(self, hidden, experts, topk_weights, topk_ids):
         return torch_experts(hidden, experts, topk_weights, topk_ids)

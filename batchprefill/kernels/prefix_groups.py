@@ -124,8 +124,9 @@ def batch_groups(groups: list[Group], meta: AttentionMetadata) -> list[list[Grou
 
 
 def lay_out(batch: list[Group], meta: AttentionMetadata, block: int, heads_per_kv: int, dtype: torch.dtype,
-            device: torch.device) -> GroupBatch:
-    """The index tensors and mask of one batch of groups."""
+            device: torch.device, window: int | None = None) -> GroupBatch:
+    """The index tensors and mask of one batch of groups; a sliding `window` hides keys at or below
+    `position - window` from each query."""
     num_groups = len(batch)
     members = max(len(g.members) for g in batch)
     width = max(meta.query_lens_host[s] for g in batch for s in g.members)
@@ -149,6 +150,11 @@ def lay_out(batch: list[Group], meta: AttentionMetadata, block: int, heads_per_k
             start, count = group.own_spans[min(m, len(group.members) - 1)]
             own_positions = group.shared * block + np.arange(count * block)  # absolute position of each own key
             visible[g, m, :, start * block : (start + count) * block] = own_positions[None, :] <= positions[:, None]
+            if window is not None:
+                key_positions = np.full(num_keys, -window - 1)  # padding keys stay hidden
+                key_positions[: group.shared * block] = np.arange(group.shared * block)
+                key_positions[start * block : (start + count) * block] = own_positions
+                visible[g, m] &= key_positions[None, :] > positions[:, None] - window
     # query rows are (member, head in group, query): the mask repeats over the heads that share a KV head
     visible = np.repeat(visible[:, :, None], heads_per_kv, axis=2).reshape(num_groups, 1, -1, num_keys)
     mask = torch.zeros(visible.shape, dtype=dtype, device=device)

@@ -31,11 +31,12 @@ def _kv_offsets(table_ptr, kv_pos, kv_valid, block_size, stride_block, stride_sl
 
 @triton.jit
 def _prefill_inner(
-    acc, m_i, l_i, q, q_pos, lo, hi, seq_len, k_ptr, v_ptr, table_ptr, dim_offs, dim_valid, qk_scale,
+    acc, m_i, l_i, q, q_pos, lo, hi, seq_len, window, k_ptr, v_ptr, table_ptr, dim_offs, dim_valid, qk_scale,
     block_size, stride_block, stride_slot,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax over KV tiles [lo, hi); MASKED applies causality and the sequence end."""
+    """Online softmax over KV tiles [lo, hi); MASKED applies causality, the sequence end and, with SLIDING,
+    the window (a query at p sees keys above p - window)."""
     for start in range(lo, hi, BLOCK_N):
         kv_pos = start + tl.arange(0, BLOCK_N)
         kv_valid = kv_pos < seq_len
@@ -45,6 +46,8 @@ def _prefill_inner(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+            if SLIDING:
+                visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -59,11 +62,11 @@ def _prefill_inner(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tile_seq_ptr, tile_index_ptr,
-    query_start_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, block_size, head_dim,
+    query_start_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, block_size, head_dim, window,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_table,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one sequence, one query head, over all KV it may see."""
     tile = tl.program_id(0)
@@ -95,15 +98,21 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     # Tiles every row of this tile sees in full need no mask; the rest stop at the last row's position.
-    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    # Under a window, the tiles start at the first row's window and are all masked.
+    if SLIDING:
+        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        unmasked_end = lo
+    else:
+        lo = 0
+        unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     end = tl.minimum(seq_len, first_pos + BLOCK_M)
     acc, m_i, l_i = _prefill_inner(
-        acc, m_i, l_i, q, q_pos, 0, unmasked_end, seq_len, k_ptr, v_ptr, table_ptr, dim_offs, dim_valid,
-        qk_scale, block_size, stride_kb, stride_ks, BLOCK_N, False, DOT_PRECISION,
+        acc, m_i, l_i, q, q_pos, lo, unmasked_end, seq_len, window, k_ptr, v_ptr, table_ptr, dim_offs, dim_valid,
+        qk_scale, block_size, stride_kb, stride_ks, BLOCK_N, False, SLIDING, DOT_PRECISION,
     )
     acc, m_i, l_i = _prefill_inner(
-        acc, m_i, l_i, q, q_pos, unmasked_end, end, seq_len, k_ptr, v_ptr, table_ptr, dim_offs, dim_valid,
-        qk_scale, block_size, stride_kb, stride_ks, BLOCK_N, True, DOT_PRECISION,
+        acc, m_i, l_i, q, q_pos, unmasked_end, end, seq_len, window, k_ptr, v_ptr, table_ptr, dim_offs,
+        dim_valid, qk_scale, block_size, stride_kb, stride_ks, BLOCK_N, True, SLIDING, DOT_PRECISION,
     )
 
     out = acc / l_i[:, None]
@@ -114,11 +123,11 @@ def _prefill_kernel(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    query_start_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, block_size, head_dim, segment_len,
+    query_start_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, block_size, head_dim, segment_len, window,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_table,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: one segment of one sequence's context for all query heads of one KV head, so each
     KV tile is read once per GQA group. With SPLIT it writes a normalized partial output and its LSE."""
@@ -130,6 +139,8 @@ def _decode_kernel(
     row = tl.load(query_start_ptr + seq)
     lo = segment * segment_len
     hi = tl.minimum(seq_len, lo + segment_len)
+    if SLIDING:  # the query at seq_len - 1 sees its last `window` positions; earlier segments stay empty
+        lo = tl.maximum(lo, seq_len - window)
 
     group = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + group
@@ -216,7 +227,7 @@ def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, .
 def prefill_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, tile_map: torch.Tensor,
-    scale: float, block_m: int, block_n: int, num_warps: int, num_stages: int,
+    scale: float, block_m: int, block_n: int, num_warps: int, num_stages: int, window: int | None = None,
 ) -> None:
     """Launch the prefill kernel; `tile_map` [2, tiles] holds each tile's sequence and index in it."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -224,10 +235,10 @@ def prefill_attention(
     grid = (tile_map.shape[1], num_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, out, tile_map[0], tile_map[1], query_start, seq_lens, block_tables,
-        scale * LOG2E, k_cache.shape[1], head_dim, *query.stride(), *out.stride(),
+        scale * LOG2E, k_cache.shape[1], head_dim, window or 0, *query.stride(), *out.stride(),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
         GROUP=num_heads // k_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=upcast, DOT_PRECISION=precision,
+        BLOCK_D=triton.next_power_of_2(head_dim), SLIDING=window is not None, UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -236,6 +247,7 @@ def decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
     scale: float, segment_len: int, num_segments: int, block_n: int, num_warps: int, num_stages: int,
+    window: int | None = None,
 ) -> None:
     """Launch the decode kernel over (sequence, KV head, segment), then the merge when split."""
     num_seqs = seq_lens.shape[0]
@@ -252,10 +264,11 @@ def decode_attention(
     upcast, precision = _dot_settings(query.dtype)
     _decode_kernel[(num_seqs, num_kv_heads, num_segments)](
         query, k_cache, v_cache, out, part_out, part_lse, query_start, seq_lens, block_tables,
-        scale * LOG2E, k_cache.shape[1], head_dim, segment_len, *query.stride(), *out.stride(),
+        scale * LOG2E, k_cache.shape[1], head_dim, segment_len, window or 0, *query.stride(), *out.stride(),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        SPLIT=split, UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        SPLIT=split, SLIDING=window is not None, UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if split:
         _merge_kernel[(num_seqs, num_heads)](

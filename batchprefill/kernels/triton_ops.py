@@ -57,7 +57,7 @@ class TritonOps:
         return fused_experts(hidden, experts, topk_weights, topk_ids)
 
     def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.num_seqs == 0 or query.shape[0] == 0:
             return out
@@ -65,13 +65,13 @@ class TritonOps:
             segment_len, num_segments = self.decode_split(meta, k_cache.shape[2])
             decode_attention(
                 query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables, scale,
-                segment_len, num_segments, self._block_n, num_warps=4, num_stages=2,
+                segment_len, num_segments, self._block_n, num_warps=4, num_stages=2, window=window,
             )
             return out
         block_m, block_n, num_warps, num_stages = self._prefill_config(meta, query.shape[2])
         prefill_attention(
             query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables,
-            self._tiles(meta, block_m, query.device), scale, block_m, block_n, num_warps, num_stages,
+            self._tiles(meta, block_m, query.device), scale, block_m, block_n, num_warps, num_stages, window,
         )
         return out
 

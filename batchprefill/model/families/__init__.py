@@ -1,0 +1,34 @@
+"""Every supported model family, found by the architecture name in `config.json`.
+
+Adding a family means adding a file beside this one that defines `FAMILY`, and listing it here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from batchprefill.model.config import ModelConfig
+from batchprefill.model.families import gemma3, llama, mistral, phi3, qwen3
+from batchprefill.model.families.base import Family
+
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, mistral.FAMILY, gemma3.FAMILY, phi3.FAMILY)
+ARCHITECTURES: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+def family_for(architecture: str) -> Family:
+    if architecture not in ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"architecture {architecture} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+    return ARCHITECTURES[architecture]
+
+
+def read_config(folder: Path) -> ModelConfig:
+    """The ModelConfig of an HF folder, parsed by its family; a file with no `architectures` is Llama."""
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+    return family_for(architecture).config(raw, architecture)
