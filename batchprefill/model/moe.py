@@ -14,6 +14,26 @@ import torch
 from batchprefill.kernels.experts import ExpertWeights
 from batchprefill.kernels.linear import Linear
 from batchprefill.kernels.ops import Ops
+from batchprefill.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class MoeConfig(ModelConfig):
+    """A Llama-shaped model whose `sparse_layers` replace the gated MLP with routed experts."""
+
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # one expert's gate/up width
+    normalize_topk: bool = True  # renormalise the top-k router probabilities to sum to 1
+    sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or the dense MLP of `intermediate_size`
+
+    def num_parameters(self) -> int:
+        """Active parameters per token (router and `experts_per_token` experts in a sparse layer): the N of
+        the 2·tokens·N FLOP estimate, which counts what a token computes, not what the model stores."""
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        sparse_mlp = self.hidden_size * (self.num_experts + 3 * self.experts_per_token * self.moe_intermediate_size)
+        swapped = sum(sparse_mlp - dense_mlp for sparse in self.sparse_layers if sparse)
+        return super().num_parameters() + swapped
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,9 +56,6 @@ class ExpertNames:
     down: str  # down_proj / w2
 
 
-QWEN3_MOE_NAMES = ExpertNames(block="mlp.", gate="gate_proj", up="up_proj", down="down_proj")
-MIXTRAL_NAMES = ExpertNames(block="block_sparse_moe.", gate="w1", up="w3", down="w2")
-
 
 class SparseMoe:
     """`x [T, H]` -> `[T, H]`: router, top-k, then the backend's grouped experts."""
@@ -56,19 +73,15 @@ class SparseMoe:
     @classmethod
     def from_checkpoint(cls, weights: dict[str, torch.Tensor], layer_prefix: str, names: ExpertNames,
                         top_k: int, normalize: bool) -> SparseMoe:
-        """Reads per-expert matrices (`experts.{e}.{gate}.weight`, as checkpoints on the Hub store them) or
-        transformers 5's stacked `experts.gate_up_proj` / `experts.down_proj`, popping them from `weights`
-        so the stacked copy does not double the layer's memory for long."""
+        """Reads the per-expert matrices checkpoints store (`experts.{e}.{gate}.weight`), popping them from
+        `weights` so that stacking them does not hold the layer twice for long."""
         block = layer_prefix + names.block
         router = weights.pop(block + "gate.weight")
-        if block + "experts.gate_up_proj" in weights:
-            experts = ExpertWeights(weights.pop(block + "experts.gate_up_proj").contiguous(),
-                                    weights.pop(block + "experts.down_proj").contiguous())
-        else:
-            per_expert = [block + f"experts.{e}." for e in range(router.shape[0])]
-            experts = ExpertWeights.stack(
-                [weights.pop(p + names.gate + ".weight") for p in per_expert],
-                [weights.pop(p + names.up + ".weight") for p in per_expert],
-                [weights.pop(p + names.down + ".weight") for p in per_expert],
-            )
+        per_expert = [block + f"experts.{e}." for e in range(router.shape[0])]
+        experts = ExpertWeights.stack(
+            [weights.pop(p + names.gate + ".weight") for p in per_expert],
+            [weights.pop(p + names.up + ".weight") for p in per_expert],
+            [weights.pop(p + names.down + ".weight") for p in per_expert],
+        )
         return cls(router, experts, top_k, normalize)
+
