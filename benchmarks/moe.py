@@ -98,7 +98,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     malloc.keep_freed_memory()
     rng = random.Random(0)
     built = models()

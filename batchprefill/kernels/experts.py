@@ -1,8 +1,8 @@
 """Mixture-of-experts weights and the torch grouped-expert path (the CPU path, and the Triton kernel's reference).
 
 A step's tokens are routed to `top_k` experts each. Rather than loop over tokens, the (token, slot) pairs are
-sorted by expert, so each expert runs once, as two matmuls over all the rows routed to it, and the results are
-put back in pair order and summed over the slots with their router weights.
+sorted by expert, so each expert runs once, as two matmuls over all the rows routed to it; its rows, times
+their router weights, go back to pair order and are summed over each token's slots.
 """
 
 from __future__ import annotations
@@ -57,25 +57,25 @@ def torch_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: to
     """`[T, H]` -> `[T, H]`: the sum over each token's `topk_ids` `[T, K]` of its expert outputs, each times its
     router weight from `topk_weights` `[T, K]` (float32; multiplied in the hidden dtype, as transformers does).
 
-    One pass per expert that has tokens; the host learns the per-expert counts once per call.
+    One pass per expert that has tokens; the host learns the per-expert counts once per call. Each pass copies
+    its weighted rows to their pair positions, then one sum over the K slots (`index_add_` into the output
+    costs the same on one thread, but is a scatter that torch does not spread over threads). Measured on one
+    thread, 8 experts top-2 of width 768 against a dense MLP of width 1536, hidden 512: 1.1-1.2x the dense
+    time at 2048 tokens, 1.8x at 64 and 3.5x at 16, where all 8 experts' weights are read for few rows.
     """
     num_tokens, top_k = topk_ids.shape
-    if num_tokens == 0:
-        return torch.empty_like(hidden)
     flat_ids = topk_ids.flatten()
     order = flat_ids.argsort(stable=True)  # pair positions grouped by expert
     sorted_rows = hidden[order // top_k]
+    sorted_weights = topk_weights.flatten()[order].to(hidden.dtype)[:, None]
     counts = torch.bincount(flat_ids, minlength=experts.num_experts).tolist()
-    outputs = torch.empty_like(sorted_rows)
+    by_pair = torch.empty_like(sorted_rows)
     start = 0
     for (gate_up, down), count in zip(experts.linears, counts, strict=True):
         if count == 0:
             continue
         rows = slice(start, start + count)
         gate, up = gate_up(sorted_rows[rows]).chunk(2, dim=-1)
-        outputs[rows] = down(F.silu(gate) * up)
+        by_pair.index_copy_(0, order[rows], down(F.silu(gate).mul_(up)).mul_(sorted_weights[rows]))
         start += count
-    by_pair = torch.empty_like(outputs)
-    by_pair[order] = outputs
-    weights = topk_weights.to(hidden.dtype).view(num_tokens, top_k, 1)
-    return (by_pair.view(num_tokens, top_k, -1) * weights).sum(dim=1)
+    return by_pair.view(num_tokens, top_k, -1).sum(dim=1)
