@@ -25,6 +25,7 @@ if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is fir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu_e2e  # noqa: E402
+import gpu_moe  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
@@ -264,12 +265,15 @@ def main() -> None:
     decode = bench_decode(plan, device, dtype, ceilings)
     print_table("decode attention (CUDA graph replay; GB/s counts K and V bytes read)", decode)
     goals = judge_goals(prefill, decode)
+    moe = gpu_moe.run(args.smoke, device, bench)
+    print_table("fused MoE against the per-expert torch loop (bf16)", moe)
     end_to_end = gpu_e2e.run(args.smoke, device)
     write_results(args.out, {
         "device": name, "torch": torch.__version__, "triton": triton.__version__,
         "shape": {"heads": plan.heads, "kv_heads": plan.kv_heads, "head_dim": plan.head_dim,
                   "block_size": plan.block_size, "dtype": str(dtype)},
         "ceilings": ceilings, "prefill": prefill, "decode": decode, "goals": goals, "end_to_end": end_to_end,
+        "moe": moe,
     })
     print(f"total {time.time() - start:.0f} s")
 
