@@ -8,7 +8,8 @@ experts, top-2, expert width I) replaces each dense MLP of width 2I, so a token 
 multiply-adds in both, plus the MoE router's 8 columns. The engine runs the same unrelated prompts (no prefix
 reuse) through each model in turn, alternated and repeated, 16 sequences at once and one at a time; each figure
 is the best repeat's prefill tokens/s (steps that carry prefill) and decode tokens/s (decode-only steps), from
-the engine's own step timings.
+the engine's own step timings. Then the layer alone: one MoE layer against the dense MLP at a few step sizes,
+median CPU time of the process (steadier than wall time on a shared machine) over repeated calls.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -26,7 +29,7 @@ from batchprefill.engine.request import Request, SamplingParams
 from batchprefill.kernels.ops import TorchOps
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
-from batchprefill.model.moe import MoeConfig
+from batchprefill.model.moe import MoeConfig, SparseMoe
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 8, 512, 8, 4, 8192
 EXPERTS, TOP_K, EXPERT_WIDTH = 8, 2, 768
@@ -94,6 +97,20 @@ def run_once(model: DecoderModel, prompts: list[list[int]], batch: int) -> dict[
             "decode_tokens_per_s": sum(s.num_decode_tokens for s in decode) / sum(s.duration_ms for s in decode) * 1e3}
 
 
+def layer_ms(built: dict[str, DecoderModel], tokens: int, repeat: int = 7) -> dict[str, float]:
+    """Median process CPU ms of layer 0's MLP (experts or dense) on `tokens` random rows, alternating."""
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    mlps = {name: model.layers[0].mlp for name, model in built.items()}
+    assert isinstance(mlps["moe"], SparseMoe)
+    times: dict[str, list[float]] = {name: [] for name in mlps}
+    for _ in range(repeat):
+        for name, mlp in mlps.items():
+            start = time.process_time()
+            mlp(x, built[name].ops)
+            times[name].append((time.process_time() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
@@ -127,8 +144,12 @@ def main() -> None:
         ratios = {key: moe[key] / dense[key] for key in moe}
         print(f"moe / dense at {batch} seqs: prefill {ratios['prefill_tokens_per_s']:.2f}, "
               f"decode {ratios['decode_tokens_per_s']:.2f}")
+    layers = {tokens: layer_ms(built, tokens) for tokens in (2048, 64, 16, 1)}
+    print(f"{'tokens':>6} {'moe layer ms':>13} {'dense mlp ms':>13} {'moe / dense':>12}")
+    for tokens, ms in layers.items():
+        print(f"{tokens:>6} {ms['moe']:>13.2f} {ms['dense']:>13.2f} {ms['moe'] / ms['dense']:>12.2f}")
     if args.out:
-        args.out.write_text(json.dumps({"active_parameters": active, "best": best}, indent=2))
+        args.out.write_text(json.dumps({"active_parameters": active, "best": best, "layer_ms": layers}, indent=2))
 
 
 if __name__ == "__main__":
