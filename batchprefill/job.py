@@ -21,11 +21,11 @@ from batchprefill.engine.request import Request
 from batchprefill.errors import JobError
 from batchprefill.malloc import keep_freed_memory
 from batchprefill.model.config import ModelConfig
-from batchprefill.model.families import read_config
 from batchprefill.model.loader import (
     load_model,
     make_ops,
     model_identity,
+    read_model_config,
     resolve_device,
     resolve_dtype,
     resolve_folder,
@@ -83,7 +83,7 @@ def prepare_job(cfg: DictConfig) -> Prepared:
     sharding = settings.sharding(cfg)
     files, fmt = resolve_input(cfg.data.input, cfg.data.format)
     folder = resolve_folder(cfg.model.path)
-    model_config = read_config(folder)
+    model_config = read_model_config(folder)
     tokenizer = PromptTokenizer(folder)
     if cfg.data.chat_template and tokenizer.chat_template is None:
         raise JobError(f"data.chat_template=true but {folder} has no chat template")
@@ -133,7 +133,8 @@ def run_job(cfg: DictConfig) -> dict:
         reserve_output_blocks=bool(cfg.engine.reserve_output_blocks), padded_decode="graphs" if graphs else "off",
     )
     scope = (loaded.identity, str(dtype), str(kv_dtype), prepared.model_config.rope_theta,
-             repr(prepared.model_config.rope_scaling), engine_config.block_size, cfg.model.adapter)
+             repr(prepared.model_config.rope_scaling), prepared.model_config.layer_windows, engine_config.block_size,
+             cfg.model.adapter)
     engine = Engine(loaded.model, engine_config, prepared.tokenizer.decode, scope, kv_dtype, device)
 
     writer = ResultWriter(results_dir, prepared.sharding.shard_index, int(cfg.output.commit_every_rows),

@@ -64,11 +64,11 @@ def rope_parameters(raw: dict, layer_type: str | None = None) -> dict:
         nested = {}
     flat = {**(raw.get("rope_scaling") or {}), **nested}
     flat.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    if "partial_rotary_factor" in raw:
+    if raw.get("partial_rotary_factor") is not None:
         flat.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
     if "type" in flat:
         flat.setdefault("rope_type", flat.pop("type"))
-    if flat.get("rope_type") in ("longrope", "llama3") and "original_max_position_embeddings" in raw:
+    if flat.get("rope_type") in ("longrope", "llama3") and raw.get("original_max_position_embeddings"):
         flat["original_max_position_embeddings"] = raw["original_max_position_embeddings"]  # Phi-3 keeps it outside
     return flat
 
@@ -121,7 +121,7 @@ def base_fields(raw: dict, architecture: str, default_qkv_bias: bool = False) ->
         max_positions=raw.get("max_position_embeddings", 4096),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         qkv_bias=raw.get("attention_bias", default_qkv_bias),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,),
         layer_windows=layer_windows(raw, raw["num_hidden_layers"]),
         rotary_dim=int(head_dim * factor) if factor < 1.0 else None,
         hidden_act=raw.get("hidden_act", "silu"),

@@ -1,8 +1,9 @@
 """Convert a llama.cpp GGUF file into an HF-format folder, once, into a cache keyed by the file's hash.
 
 The runtime only ever loads HF folders (config.json, safetensors, tokenizer.json); a GGUF is turned into
-one here. llama.cpp stores Q and K with rows permuted so that RoPE rotates adjacent pairs; HF's
-rotate-half layout needs that permutation undone, or the text comes out silently wrong.
+one here. Architectures `llama` and `qwen3` convert. llama.cpp stores Llama's Q and K with rows permuted so
+that RoPE rotates adjacent pairs; HF's rotate-half layout needs that permutation undone, or the text comes
+out silently wrong. Qwen3 runs NeoX-style RoPE in llama.cpp, so its rows are stored as HF has them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +24,26 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 CONTROL_TOKEN = 3
-# llama.cpp's pre-tokenizer names for byte-level vocabularies and the splits their merges were learned on.
+# llama.cpp's pre-tokenizer names for byte-level vocabularies: the split their merges were learned on, and
+# whether digits are split one by one first.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-PRE_TOKENIZER_DIGITS = {"smollm": True, "gpt2": False, "default": False}
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {"smollm": (GPT2_SPLIT, True), "gpt2": (GPT2_SPLIT, False), "default": (GPT2_SPLIT, False),
+                  "qwen2": (QWEN2_SPLIT, False)}
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    hf_architecture: str
+    model_type: str
+    permuted_qk: bool  # llama.cpp interleaved Q/K rows for adjacent-pair RoPE
+
+
+ARCHITECTURES = {
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", permuted_qk=True),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", permuted_qk=False),
+}
 
 
 def cache_root() -> Path:
@@ -67,10 +86,11 @@ def _field(reader: GGUFReader, key: str, default=None):
 def convert(gguf_path: Path, out_dir: Path) -> None:
     reader = GGUFReader(gguf_path)
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported (only 'llama')")
-    config = _config(reader)
-    tensors = _tensors(reader, config)
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{gguf_path.name}: GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES)}")
+    config = _config(reader, arch)
+    tensors = _tensors(reader, config, ARCHITECTURES[arch].permuted_qk)
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
@@ -79,21 +99,22 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
 
 
-def _config(reader: GGUFReader) -> dict:
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
+def _config(reader: GGUFReader, arch: str) -> dict:
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[arch].hf_architecture],
+        "model_type": ARCHITECTURES[arch].model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, "llama.block_count")),
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, "llama.context_length")),
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(head_dim or hidden // heads),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length")),
         "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
         "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
         "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
@@ -105,6 +126,7 @@ HF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 
 
@@ -122,16 +144,16 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _tensors(reader: GGUFReader, config: dict) -> dict[str, torch.Tensor]:
+def _tensors(reader: GGUFReader, config: dict, permuted_qk: bool) -> dict[str, torch.Tensor]:
     tensors = {}
     for tensor in reader.tensors:
         if tensor.name.startswith("rope_freqs"):
             continue
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         values = values.reshape([int(d) for d in reversed(tensor.shape.tolist())])
-        if tensor.name.endswith("attn_q.weight"):
+        if permuted_qk and tensor.name.endswith("attn_q.weight"):
             values = _unpermute(values, config["num_attention_heads"])
-        elif tensor.name.endswith("attn_k.weight"):
+        elif permuted_qk and tensor.name.endswith("attn_k.weight"):
             values = _unpermute(values, config["num_key_value_heads"])
         tensors[_hf_name(tensor.name)] = torch.from_numpy(np.array(values, copy=True))
     return tensors
@@ -152,8 +174,9 @@ def _tokenizer(reader: GGUFReader) -> tuple[Tokenizer, dict]:
     token_types = list(reader.fields["tokenizer.ggml.token_type"].contents())
     tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    steps = [pre_tokenizers.Split(Regex(GPT2_SPLIT), behavior="isolated"), byte_level]
-    if PRE_TOKENIZER_DIGITS.get(_field(reader, "tokenizer.ggml.pre", "default"), False):
+    split, digits = PRE_TOKENIZERS.get(_field(reader, "tokenizer.ggml.pre", "default"), PRE_TOKENIZERS["default"])
+    steps = [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
+    if digits:
         steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tokenizer.decoder = decoders.ByteLevel()

@@ -11,6 +11,7 @@ import torch
 
 from batchprefill.errors import JobError
 from batchprefill.kernels.ops import Ops, TorchOps
+from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.families import read_config
 from batchprefill.model.gguf_convert import converted_folder
@@ -103,9 +104,17 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: Ops) -> LoadedModel:
+def read_model_config(folder: Path) -> ModelConfig:
+    """The folder's config, or a one-line JobError (an unsupported architecture names those supported)."""
     try:
-        config = read_config(folder)
+        return read_config(folder)
+    except (ValueError, KeyError) as error:
+        raise JobError(f"model {folder}: {error}") from None
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: Ops) -> LoadedModel:
+    config = read_model_config(folder)
+    try:
         model = DecoderModel(config, load_weights(folder, dtype, device), ops)
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise JobError(f"model {folder}: {error}") from None
