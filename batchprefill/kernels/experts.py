@@ -78,4 +78,4 @@ def torch_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: to
         gate, up = gate_up(sorted_rows[rows]).chunk(2, dim=-1)
         by_pair.index_copy_(0, order[rows], down(F.silu(gate).mul_(up)).mul_(sorted_weights[rows]))
         start += count
-    return by_pair.view(num_tokens, top_k, -1).sum(dim=1)
+    return by_pair.view(num_tokens, top_k, hidden.shape[1]).sum(dim=1)

@@ -56,7 +56,6 @@ class ExpertNames:
     down: str  # down_proj / w2
 
 
-
 class SparseMoe:
     """`x [T, H]` -> `[T, H]`: router, top-k, then the backend's grouped experts."""
 
