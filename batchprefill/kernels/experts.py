@@ -59,9 +59,10 @@ def torch_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: to
 
     One pass per expert that has tokens; the host learns the per-expert counts once per call. Each pass copies
     its weighted rows to their pair positions, then one sum over the K slots (`index_add_` into the output
-    costs the same on one thread, but was 60% of a two-thread profile of a 2048-token step). Measured on one
-    thread, 8 experts top-2 of width 768 against a dense MLP of width 1536, hidden 512: 1.1-1.2x the dense
-    time at 2048 tokens, 1.8x at 64 and 3.5x at 16, where all 8 experts' weights are read for few rows.
+    costs the same on one thread, but was 60% of a two-thread profile of a 2048-token step). Against a dense
+    MLP of the same active width (8 experts top-2 of width 768 against width 1536, hidden 512, one thread;
+    BENCHMARKS.md): 1.19x the dense time at 2048 tokens, 1.9x at 64 and 3.3x at 16, where all 8 experts'
+    weights are read for few rows.
     """
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.flatten()
