@@ -28,12 +28,12 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from omegaconf import DictConfig
 
 from batchprefill.cli import hydra_app
 from batchprefill.errors import JobError
 from batchprefill.order import assign_shards
 from batchprefill.prepare import partition_path
+from batchprefill.settings import JobSettings
 from batchprefill.writer import write_atomic, write_records
 
 SUMMED = ("num_requests", "num_errors", "prompt_tokens", "cached_tokens", "computed_prompt_tokens",
@@ -69,7 +69,7 @@ def read_inputs(partitions_dir: Path, id_column: str) -> Inputs:
     partition_of: dict = {}
     for index, rows in enumerate(manifest["partition_rows"]):
         if rows == 0:
-            continue  # no row hashed here: prepare wrote no file
+            continue  # an empty partition holds no id
         path = partition_path(partitions_dir, index)
         if not path.exists():
             raise JobError(f"{path} is missing: rerun the job into a fresh output.dir")
@@ -164,14 +164,15 @@ def merge_stats(stats: Path, folders: list[Path]) -> dict:
     return job
 
 
-def merge(cfg: DictConfig) -> str:
+def merge(job: JobSettings) -> str:
     """Check, then combine; returns the summary line."""
-    out = Path(cfg.output.dir).expanduser()
-    id_column = cfg.data.id_column
+    out = job.output.dir
+    id_column = job.data.columns.id
+    configured = job.data.configured_shards
     inputs = read_inputs(out / "partitions", id_column)
     parts = read_results(out / "results", id_column)
-    num_shards, folders = shard_stats(out / "stats", cfg.data.num_shards)
-    rows = check_complete(inputs, parts, _shards_for_report(cfg.data.num_shards, num_shards, parts), out / "results")
+    num_shards, folders = shard_stats(out / "stats", configured)
+    rows = check_complete(inputs, parts, _shards_for_report(configured, num_shards, parts), out / "results")
     if not folders:
         return f"batchprefill-merge: all {rows} rows have exactly one result in {out / 'results'}; one shard, " \
                "nothing to combine"
@@ -193,8 +194,8 @@ def _shards_for_report(configured: int | None, from_stats: int, parts: dict[str,
     return max(from_stats, from_parts)
 
 
-def _merge_and_report(cfg: DictConfig) -> None:
-    print(merge(cfg), file=sys.stderr)
+def _merge_and_report(job: JobSettings) -> None:
+    print(merge(job), file=sys.stderr)
 
 
 main = hydra_app("batchprefill-merge", _merge_and_report)

@@ -83,19 +83,9 @@ def prefix_order(token_ids: TokenColumn, namespaces: NameColumn) -> list[int]:
     return order.to_numpy().tolist()
 
 
-def shared_blocks(a: list[int], b: list[int], block_size: int) -> int:
-    """How many leading full blocks two token sequences have in common."""
-    limit = min(len(a), len(b)) // block_size
-    blocks = 0
-    while blocks < limit and a[blocks * block_size : (blocks + 1) * block_size] == b[
-        blocks * block_size : (blocks + 1) * block_size
-    ]:
-        blocks += 1
-    return blocks
-
-
 def _shared_block_counts(flat: _Flat, a: np.ndarray, b: np.ndarray, block_size: int) -> np.ndarray:
-    """`shared_blocks` of rows a[k] and b[k] for every k at once: one vectorised comparison per block depth.
+    """Leading full blocks rows a[k] and b[k] have in common, for every k at once: one vectorised comparison per
+    block depth.
 
     Only pairs still equal so far are compared at the next depth, so the work is about the tokens shared.
     """
@@ -126,11 +116,26 @@ def _with_previous(flat: _Flat, codes: np.ndarray, block_size: int) -> np.ndarra
     return shared
 
 
+def shared_with_previous(token_ids: TokenColumn, namespaces: NameColumn, block_size: int) -> np.ndarray:
+    """Per prompt in run order: the leading full blocks it shares with the prompt before it (same namespace)."""
+    return _with_previous(_flat(token_ids), _codes(namespaces), block_size)
+
+
 def reusable_tokens(token_ids: TokenColumn, namespaces: NameColumn, block_size: int) -> list[int]:
     """Per prompt in run order: prompt tokens an ideal cache serves, with one token always left to compute."""
     flat = _flat(token_ids)
     shared = _with_previous(flat, _codes(namespaces), block_size)
     return (np.minimum(shared, np.maximum(flat.lengths - 1, 0) // block_size) * block_size).tolist()
+
+
+def run_order(token_ids: pa.ChunkedArray, namespaces: pa.ChunkedArray, rows: pa.ChunkedArray,
+              errors: pa.ChunkedArray, order: str) -> np.ndarray:
+    """Positions of a partition's rows that reach the engine (those without an error), in the order a run
+    takes them: the prefix trie's depth-first order, or the input's own order (`data.order=input`)."""
+    valid = np.flatnonzero(pc.is_null(errors).to_numpy(zero_copy_only=False))
+    if order == "prefix":
+        return valid[np.asarray(prefix_order(token_ids.take(valid), namespaces.take(valid)), dtype=np.int64)]
+    return valid[np.argsort(rows.to_numpy()[valid], kind="stable")]
 
 
 def groups(token_ids: TokenColumn, namespaces: NameColumn, block_size: int) -> list[Group]:

@@ -12,26 +12,22 @@ cache holding only the current path would reach, the baseline that prefix orderi
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from omegaconf import DictConfig
 
-from batchprefill import settings
 from batchprefill.cli import hydra_app
-from batchprefill.errors import JobError
-from batchprefill.order import groups, prefix_order, reusable_tokens, shared_blocks
+from batchprefill.order import groups, reusable_tokens, run_order, shared_with_previous
 from batchprefill.prepare import ERROR, NAMESPACE, ROW, TOKENS, partition_path
-from batchprefill.writer import write_records
+from batchprefill.settings import JobSettings
+from batchprefill.writer import replace_atomic, write_records
 
-if TYPE_CHECKING:  # both pull in heavy packages the entry point loads only after Hydra parsed the command line
-    from matplotlib.figure import Figure
-
+if TYPE_CHECKING:  # pulls in torch, which the entry point loads only after Hydra parsed the command line
     from batchprefill.model.config import ModelConfig
 
 BITS_PER_BYTE = 8
@@ -44,11 +40,6 @@ PLAN_SCHEMA = pa.schema([
     ("prefill_flops_without_reuse", pa.float64()), ("kv_bytes_per_token", pa.int64()),
     ("kv_bytes_total", pa.int64()), ("kv_transfer_seconds_mean", pa.float64()),
 ])
-
-
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
-    """One K and one V vector per KV head per layer: the memory (and transfer) price of each prompt token."""
-    return 2 * layers * kv_heads * head_dim * bytes_per_element
 
 
 def attention_pairs(cached: int, fresh: int) -> int:
@@ -66,16 +57,13 @@ def transfer_seconds(num_bytes: float, link_gbps: float) -> float:
     return num_bytes / (link_gbps * 1e9 / BITS_PER_BYTE)
 
 
-def sharing_depths(token_ids: list[list[int]], namespaces: list[str], block_size: int) -> list[int]:
+def sharing_depths(token_ids: pa.ChunkedArray, namespaces: pa.ChunkedArray, block_size: int) -> np.ndarray:
     """Per prompt in prefix order: the most full blocks it shares with any other prompt of its namespace.
 
     In the depth-first order of the trie a prompt's best partner is always one of its two neighbours.
     """
-    links = [0] + [
-        shared_blocks(token_ids[i - 1], token_ids[i], block_size) if namespaces[i - 1] == namespaces[i] else 0
-        for i in range(1, len(token_ids))
-    ] + [0]
-    return [max(links[i], links[i + 1]) for i in range(len(token_ids))]
+    links = np.concatenate([shared_with_previous(token_ids, namespaces, block_size), [0]])
+    return np.maximum(links[:-1], links[1:])
 
 
 @dataclass
@@ -95,29 +83,26 @@ class Tally:
 
     def add_partition(self, table: pa.Table, order: str, block_size: int) -> None:
         """Count one partition in the order a run would take it; error rows never reach the engine."""
-        errors = table[ERROR].to_pylist()
-        token_ids = table[TOKENS].to_pylist()
-        namespaces = table[NAMESPACE].to_pylist()
-        rows = table[ROW].to_pylist()
-        valid = [i for i, message in enumerate(errors) if message is None]
-        self.error_rows += len(errors) - len(valid)
-        ids = [token_ids[i] for i in valid]
-        spaces = [namespaces[i] for i in valid]
-        trie = prefix_order(ids, spaces)
-        run = trie if order == "prefix" else sorted(range(len(valid)), key=lambda k: rows[valid[k]])
-        run_ids, run_spaces = [ids[k] for k in run], [spaces[k] for k in run]
-        for prompt, reused in zip(run_ids, reusable_tokens(run_ids, run_spaces, block_size)):
-            self.computed_tokens += len(prompt) - reused
-            self.pairs_with_reuse += attention_pairs(reused, len(prompt) - reused)
-            self.pairs_without_reuse += attention_pairs(0, len(prompt))
-        self.requests += len(valid)
-        self.prompt_tokens += sum(len(prompt) for prompt in ids)
+        run = run_order(table[TOKENS], table[NAMESPACE], table[ROW], table[ERROR], order)
+        trie = run if order == "prefix" else run_order(table[TOKENS], table[NAMESPACE], table[ROW], table[ERROR],
+                                                          "prefix")
+        run_ids, run_spaces = table[TOKENS].take(run), table[NAMESPACE].take(run)
+        lengths = np.diff(run_ids.combine_chunks().offsets.to_numpy()) if len(run) else np.zeros(0, np.int64)
+        reused = np.asarray(reusable_tokens(run_ids, run_spaces, block_size), dtype=np.int64)
+        fresh = lengths - reused
+        self.computed_tokens += int(fresh.sum())
+        self.pairs_with_reuse += int(sum(map(attention_pairs, reused.tolist(), fresh.tolist())))
+        self.pairs_without_reuse += int(sum(attention_pairs(0, n) for n in lengths.tolist()))
+        self.error_rows += table.num_rows - len(run)
+        self.requests += len(run)
+        self.prompt_tokens += int(lengths.sum())
         self.group_sizes.update(g.stop - g.start for g in groups(run_ids, run_spaces, block_size))
-        self.depths.update(sharing_depths([ids[k] for k in trie], [spaces[k] for k in trie], block_size))
+        self.depths.update(sharing_depths(table[TOKENS].take(trie), table[NAMESPACE].take(trie),
+                                          block_size).tolist())
 
 
-def kv_element_bytes(cfg: DictConfig) -> int:
-    """Bytes per KV element as a run on this config would store them (auto = the model's dtype).
+def kv_element_bytes(job: JobSettings) -> int:
+    """Bytes per KV element as a run on these settings would store them (auto = the model's dtype).
 
     `engine.device=cuda` is taken at its word: planning a GPU job on a login node must not need a GPU.
     """
@@ -125,15 +110,15 @@ def kv_element_bytes(cfg: DictConfig) -> int:
 
     from batchprefill.model.loader import resolve_device, resolve_dtype
 
-    device = torch.device("cuda") if cfg.engine.device == "cuda" else resolve_device(cfg.engine.device)
-    name = cfg.engine.kv_cache_dtype if cfg.engine.kv_cache_dtype != "auto" else cfg.model.dtype
+    device = torch.device("cuda") if job.engine.device == "cuda" else resolve_device(job.engine.device)
+    name = job.engine.kv_cache_dtype if job.engine.kv_cache_dtype != "auto" else job.model.dtype
     return torch.finfo(resolve_dtype(name, device)).bits // BITS_PER_BYTE
 
 
 def plan_row(tally: Tally, model: ModelConfig, element_bytes: int, link_gbps: float) -> dict:
     """The one row of plan.parquet from the tally and the model's shape."""
     params, layers = model.num_parameters(), model.num_layers
-    per_token = kv_bytes_per_token(layers, model.num_kv_heads, model.head_dim, element_bytes)
+    per_token = model.kv_bytes_per_token(element_bytes)
     kv_total = tally.prompt_tokens * per_token
     return {
         "requests": tally.requests, "error_rows": tally.error_rows, "prompt_tokens": tally.prompt_tokens,
@@ -148,25 +133,23 @@ def plan_row(tally: Tally, model: ModelConfig, element_bytes: int, link_gbps: fl
     }
 
 
-def plan_job(cfg: DictConfig) -> dict:
+def plan_job(job: JobSettings) -> dict:
     """Prepare the job as a run would, tally every partition of every shard, write plan.parquet and plan.png."""
-    from batchprefill.job import prepare_job  # pulls in torch: after Hydra parsed the command line
+    from batchprefill.preparation import prepare_job  # pulls in torch: after Hydra parsed the command line
 
-    if not cfg.plan.link_gbps > 0:
-        raise JobError(f"plan.link_gbps={cfg.plan.link_gbps}: must be > 0")
-    prepared = prepare_job(cfg)
-    block_size = int(cfg.engine.block_size)
+    prepared = prepare_job(job)
+    block_size = job.engine.block_size
     tally = Tally()
     for part, num_rows in enumerate(prepared.manifest.partition_rows):
-        if num_rows:  # prepare writes no file for a partition no row hashed into
+        if num_rows:  # an empty partition's file holds nothing to count
             path = partition_path(prepared.partitions_dir, part)
-            tally.add_partition(pq.read_table(path, columns=[TOKENS, ERROR, NAMESPACE, ROW]), cfg.data.order,
+            tally.add_partition(pq.read_table(path, columns=[TOKENS, ERROR, NAMESPACE, ROW]), job.data.order,
                                 block_size)
-    row = plan_row(tally, prepared.model_config, kv_element_bytes(cfg), float(cfg.plan.link_gbps))
-    out = settings.output_dir(cfg)
+    row = plan_row(tally, prepared.model_config, kv_element_bytes(job), job.plan_link_gbps)
+    out = job.output.dir
     write_records([row], out / "plan.parquet", PLAN_SCHEMA)
     draw_plan(tally, block_size, out / "plan.png")
-    print_report(row, float(cfg.plan.link_gbps), out)
+    print_report(row, job.plan_link_gbps, out)
     return row
 
 
@@ -205,7 +188,7 @@ def draw_plan(tally: Tally, block_size: int, path: Path) -> None:
         right.set_yscale("log")
     right.grid(alpha=0.3, axis="y")
     figure.suptitle(f"batchprefill plan: {tally.requests} requests, {tally.prompt_tokens} prompt tokens")
-    _save_atomic(figure, path)
+    replace_atomic(path, lambda staging: figure.savefig(staging, format="png", dpi=110))
     plt.close(figure)
 
 
@@ -218,14 +201,6 @@ def _size_bins(largest: int) -> list[float]:
         edges.append(edge)
         edge *= 2
     return [*edges, edge]
-
-
-def _save_atomic(figure: Figure, path: Path) -> None:
-    """As `writer.write_atomic` does for Parquet: a reader never sees half a PNG."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    figure.savefig(staging, format="png", dpi=110)
-    os.replace(staging, path)
 
 
 def print_report(row: dict, link_gbps: float, out: Path) -> None:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
-
 from batchprefill.cli import hydra_app
+from batchprefill.settings import JobSettings
 
 
-def run(cfg: DictConfig) -> None:
+def run(job: JobSettings) -> None:
     from batchprefill.job import run_job  # after Hydra parsed the command line: --help stays fast
 
-    run_job(cfg)
+    run_job(job)
 
 
 main = hydra_app("batchprefill", run)

@@ -1,4 +1,10 @@
-"""Read and check a job's configuration once, so every later stage gets values it can trust."""
+"""The job's configuration, read and checked once at the entry point, as typed settings per stage.
+
+Hydra hands every command one `DictConfig`; `JobSettings.from_config` turns it into plain frozen
+dataclasses, one per stage (data, model, engine, sampling, output), and raises a one-line `JobError` for
+any value out of range. Each stage then receives only its part, so a new key has one place to land and be
+checked, and no stage reads the raw config.
+"""
 
 from __future__ import annotations
 
@@ -19,17 +25,118 @@ class Sharding:
     shard_index: int
 
 
+@dataclass(frozen=True)
+class DataSettings:
+    input: str | None
+    format: str
+    columns: Columns
+    chat_template: bool
+    order: str  # "prefix" or "input"
+    sharding: Sharding
+    configured_shards: int | None  # data.num_shards as given: the merge falls back on what the stats say
+    read_batch_rows: int
+    buffer_mb: int
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    path: str | None  # null = the shipped GGUF
+    dtype: str  # auto | float32 | bfloat16 | float16
+    adapter: str | None
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    device: str
+    attention_backend: str
+    block_size: int
+    max_batched_tokens: int
+    max_num_seqs: int
+    kv_cache_tokens: int | None
+    prefix_caching: bool
+    kv_cache_dtype: str
+    cache_namespace: str
+    reserve_output_blocks: bool
+    num_threads: int | None
+    cuda_graphs: bool
+
+
+@dataclass(frozen=True)
+class OutputSettings:
+    dir: Path
+    resume: bool
+    commit_every_rows: int
+    commit_every_seconds: float
+    progress: bool
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    data: DataSettings
+    model: ModelSettings
+    engine: EngineSettings
+    sampling: SamplingParams
+    output: OutputSettings
+    plan_link_gbps: float
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> JobSettings:
+        return cls(data=_data(cfg), model=_model(cfg), engine=_engine(cfg), sampling=_sampling(cfg),
+                   output=_output(cfg), plan_link_gbps=_link_gbps(cfg))
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise JobError(message)
 
 
-def columns(cfg: DictConfig) -> Columns:
-    return Columns(prompt=cfg.data.prompt_column, id=cfg.data.id_column, system=cfg.data.system_column,
-                   namespace=cfg.data.namespace_column)
+def _data(cfg: DictConfig) -> DataSettings:
+    d = cfg.data
+    _require(d.order in ("prefix", "input"), f"data.order={d.order!r}: choose prefix or input")
+    _require(d.read_batch_rows >= 1 and d.buffer_mb >= 1, "data.read_batch_rows and data.buffer_mb must be >= 1")
+    columns = Columns(prompt=d.prompt_column, id=d.id_column, system=d.system_column, namespace=d.namespace_column)
+    return DataSettings(
+        input=d.input, format=d.format, columns=columns, chat_template=bool(d.chat_template), order=d.order,
+        sharding=_sharding(d.num_shards, d.shard_index), configured_shards=d.num_shards,
+        read_batch_rows=int(d.read_batch_rows), buffer_mb=int(d.buffer_mb),
+    )
 
 
-def sampling(cfg: DictConfig) -> SamplingParams:
+def _sharding(count: int | None, index: int | None) -> Sharding:
+    """This process's shard: from the config, else from a Slurm array, else the whole job."""
+    if count is None:
+        count = int(os.environ.get("SLURM_ARRAY_TASK_COUNT", 1))
+    if index is None:
+        index = int(os.environ.get("SLURM_ARRAY_TASK_ID", 0)) - int(os.environ.get("SLURM_ARRAY_TASK_MIN", 0))
+    _require(count >= 1, f"data.num_shards={count}: must be >= 1")
+    _require(0 <= index < count, f"data.shard_index={index}: must be in [0, {count})")
+    return Sharding(int(count), int(index))
+
+
+def _model(cfg: DictConfig) -> ModelSettings:
+    m = cfg.model
+    return ModelSettings(path=m.path, dtype=str(m.dtype), adapter=m.adapter)
+
+
+def _engine(cfg: DictConfig) -> EngineSettings:
+    e = cfg.engine
+    _require(e.block_size >= 1 and (e.block_size & (e.block_size - 1)) == 0,
+             f"engine.block_size={e.block_size}: must be a power of two")
+    _require(e.max_batched_tokens >= 1, f"engine.max_batched_tokens={e.max_batched_tokens}: must be >= 1")
+    _require(e.max_num_seqs >= 1, f"engine.max_num_seqs={e.max_num_seqs}: must be >= 1")
+    _require(e.kv_cache_tokens is None or e.kv_cache_tokens >= e.block_size,
+             f"engine.kv_cache_tokens={e.kv_cache_tokens}: must hold at least one block")
+    return EngineSettings(
+        device=str(e.device), attention_backend=str(e.attention_backend), block_size=int(e.block_size),
+        max_batched_tokens=int(e.max_batched_tokens), max_num_seqs=int(e.max_num_seqs),
+        kv_cache_tokens=None if e.kv_cache_tokens is None else int(e.kv_cache_tokens),
+        prefix_caching=bool(e.prefix_caching), kv_cache_dtype=str(e.kv_cache_dtype),
+        cache_namespace=str(e.cache_namespace), reserve_output_blocks=bool(e.reserve_output_blocks),
+        num_threads=int(e.num_threads) if e.num_threads else None, cuda_graphs=bool(e.cuda_graphs),
+    )
+
+
+def _sampling(cfg: DictConfig) -> SamplingParams:
     s = cfg.sampling
     _require(s.max_tokens >= 1, f"sampling.max_tokens={s.max_tokens}: must be at least 1")
     _require(s.temperature >= 0, f"sampling.temperature={s.temperature}: must be >= 0")
@@ -41,32 +148,15 @@ def sampling(cfg: DictConfig) -> SamplingParams:
                           top_k=int(s.top_k), seed=int(s.seed), stop=tuple(stop), ignore_eos=bool(s.ignore_eos))
 
 
-def check_engine(cfg: DictConfig) -> None:
-    e = cfg.engine
-    _require(e.block_size >= 1 and (e.block_size & (e.block_size - 1)) == 0,
-             f"engine.block_size={e.block_size}: must be a power of two")
-    _require(e.max_batched_tokens >= 1, f"engine.max_batched_tokens={e.max_batched_tokens}: must be >= 1")
-    _require(e.max_num_seqs >= 1, f"engine.max_num_seqs={e.max_num_seqs}: must be >= 1")
-    _require(e.kv_cache_tokens is None or e.kv_cache_tokens >= e.block_size,
-             f"engine.kv_cache_tokens={e.kv_cache_tokens}: must hold at least one block")
-    _require(cfg.data.order in ("prefix", "input"), f"data.order={cfg.data.order!r}: choose prefix or input")
-    _require(cfg.output.commit_every_rows >= 1, "output.commit_every_rows must be >= 1")
-    _require(cfg.data.read_batch_rows >= 1 and cfg.data.buffer_mb >= 1,
-             "data.read_batch_rows and data.buffer_mb must be >= 1")
+def _output(cfg: DictConfig) -> OutputSettings:
+    o = cfg.output
+    _require(o.commit_every_rows >= 1, "output.commit_every_rows must be >= 1")
+    return OutputSettings(dir=Path(o.dir).expanduser(), resume=bool(o.resume),
+                          commit_every_rows=int(o.commit_every_rows),
+                          commit_every_seconds=float(o.commit_every_seconds), progress=bool(o.progress))
 
 
-def sharding(cfg: DictConfig) -> Sharding:
-    """This process's shard: from the config, else from a Slurm array, else the whole job."""
-    count = cfg.data.num_shards
-    index = cfg.data.shard_index
-    if count is None:
-        count = int(os.environ.get("SLURM_ARRAY_TASK_COUNT", 1))
-    if index is None:
-        index = int(os.environ.get("SLURM_ARRAY_TASK_ID", 0)) - int(os.environ.get("SLURM_ARRAY_TASK_MIN", 0))
-    _require(count >= 1, f"data.num_shards={count}: must be >= 1")
-    _require(0 <= index < count, f"data.shard_index={index}: must be in [0, {count})")
-    return Sharding(int(count), int(index))
-
-
-def output_dir(cfg: DictConfig) -> Path:
-    return Path(cfg.output.dir).expanduser()
+def _link_gbps(cfg: DictConfig) -> float:
+    link = cfg.plan.link_gbps
+    _require(link > 0, f"plan.link_gbps={link}: must be > 0")
+    return float(link)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,14 +23,19 @@ OUTPUT_FIELDS = [
 ]
 
 
-def write_atomic(table: pa.Table, path: Path) -> None:
-    """A reader sees the whole file or none of it, even if this process is killed mid-write."""
+def replace_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """`write` fills a staging file beside `path`, which then replaces it: a reader sees the whole file or none
+    of it, even if this process is killed mid-write."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, staging)
+    write(staging)
     with open(staging, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(staging, path)
+
+
+def write_atomic(table: pa.Table, path: Path) -> None:
+    replace_atomic(path, lambda staging: pq.write_table(table, staging))
 
 
 def done_ids(results_dir: Path, id_column: str) -> set:

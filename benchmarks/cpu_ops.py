@@ -27,8 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from batchprefill import malloc
+from batchprefill.intmath import cdiv
+from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.linear import Linear
-from batchprefill.kernels.ops import AttentionMetadata, TorchOps, _cached_then_causal
+from batchprefill.kernels.torch_ops import TorchOps, _cached_then_causal
 
 HIDDEN, INTERMEDIATE, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 49152, 9, 3, 64
 PROJECTIONS = {"qkv": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "o": (HIDDEN, HIDDEN),
@@ -66,7 +68,7 @@ def linear_rows(repeat: int) -> list[dict]:
 def decode_batch(groups: int = 24, members: int = 4, prefix: int = 400, own: int = 40, block: int = 16):
     """A decode step of prefix groups over a random KV cache: (query, k_cache, v_cache, meta)."""
     generator = torch.Generator().manual_seed(0)
-    prefix_blocks, own_blocks = -(-prefix // block), -(-own // block)
+    prefix_blocks, own_blocks = cdiv(prefix, block), cdiv(own, block)
     num_blocks = groups * (prefix_blocks + members * own_blocks) + 1
     k_cache = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM, generator=generator)
     v_cache = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM, generator=generator)
@@ -93,7 +95,7 @@ def padded_per_sequence(query, k_cache, v_cache, meta, scale):
     """The baseline: every decode gathers its whole context, all in one padded fused call."""
     block = k_cache.shape[1]
     span = max(meta.seq_lens_host)
-    blocks = meta.block_tables[:, : -(-span // block)].long()
+    blocks = meta.block_tables[:, : cdiv(span, block)].long()
     keys = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [S, Hkv, L, D]
     values = v_cache[blocks].flatten(1, 2).transpose(1, 2)
     visible = torch.arange(keys.shape[2])[None, :] < meta.seq_lens.long()[:, None]

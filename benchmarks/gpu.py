@@ -31,9 +31,10 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
-from batchprefill.kernels.ops import TorchOps, rope_cos_sin  # noqa: E402
-from batchprefill.kernels.synthetic import random_paged_batch  # noqa: E402
+from batchprefill.kernels.torch_ops import TorchOps  # noqa: E402
 from batchprefill.kernels.triton_ops import TritonOps  # noqa: E402
+from batchprefill.model.rope import rope_cos_sin  # noqa: E402
+from tests.synthetic import random_paged_batch  # noqa: E402
 
 PREFILL_GOAL = 0.8  # Triton prefill speed / flash SDPA speed, on equal work
 DECODE_GOAL = 0.7  # fraction of measured copy bandwidth, at contexts of at least DECODE_GOAL_CONTEXT
@@ -93,6 +94,9 @@ def check_kernels(plan: Plan, device: torch.device, dtype: torch.dtype) -> None:
         scale = plan.head_dim**-0.5
         compare(f"attention, {name}", fast.attention(query, k_cache, v_cache, meta, scale),
                 reference.attention(query, k_cache, v_cache, meta, scale))
+        window = max(8, max(sum(spec) for spec in specs) // 3)  # a sliding window shorter than the contexts
+        compare(f"attention, {name}, window {window}", fast.attention(query, k_cache, v_cache, meta, scale, window),
+                reference.attention(query, k_cache, v_cache, meta, scale, window))
 
     query, k_cache, v_cache, meta = random_paged_batch(next(iter(plan.checks.values())), *shape)
     tokens = query.shape[0]

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchprefill.engine.engine import Engine, EngineConfig
+from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request, SamplingParams
 from batchprefill.kernels.triton_ops import TritonOps
 from batchprefill.model.config import ModelConfig

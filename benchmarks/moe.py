@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from batchprefill import malloc
-from batchprefill.engine.engine import Engine, EngineConfig
+from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request, SamplingParams
-from batchprefill.kernels.ops import TorchOps
+from batchprefill.kernels.torch_ops import TorchOps
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.moe import MoeConfig, SparseMoe

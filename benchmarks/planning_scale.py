@@ -95,20 +95,22 @@ def plan(path: Path, out: Path, shards: int, buffer_mb: int) -> dict:
     import pyarrow.compute as pc
     from hydra import compose, initialize_config_dir
 
-    from batchprefill.job import prepare_job
+    from batchprefill.cli import CONFIG_DIR
     from batchprefill.order import assign_shards, groups, prefix_order, reusable_tokens
+    from batchprefill.preparation import prepare_job
     from batchprefill.prepare import ERROR, NAMESPACE, TOKENS, partition_path
-    from batchprefill.run import CONFIG_DIR
+    from batchprefill.settings import JobSettings
 
     overrides = [f"data.input={path}", f"output.dir={out}", f"data.num_shards={shards}", "data.shard_index=0",
                  f"data.buffer_mb={buffer_mb}", "output.progress=false"]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    prepared = prepare_job(cfg)
+    job = JobSettings.from_config(cfg)
+    prepared = prepare_job(job)
     prepared_at = time.perf_counter()
     manifest = prepared.manifest
     assignment = assign_shards(manifest.partition_tokens, shards)
-    block_size = int(cfg.engine.block_size)
+    block_size = job.engine.block_size
     num_groups = reused = largest = 0
     for part in range(manifest.num_partitions):
         table = pq.read_table(partition_path(prepared.partitions_dir, part))

@@ -127,8 +127,20 @@ def long_prompts(seed: int = 4, count: int = 16) -> Workload:
     return Workload("long", f"{count} unrelated prompts of ~1500 tokens, 4 output tokens", prompts, max_tokens=4)
 
 
+def decode_heavy(max_tokens: int, seed: int = 5) -> Workload:
+    """80 rows over 3 system prompts x 3 documents, shuffled, with long outputs: decode steps are nearly all of
+    the job (synthetic data, long answers)."""
+    rng = random.Random(seed)
+    systems = [f"You are assistant number {i}. " + text(rng, 60) for i in range(3)]
+    documents = [text(rng, 300) for _ in range(3)]
+    prompts = [prompt(s, d, q) for s in systems for d in documents for q in rng.sample(QUESTIONS, 9)][:80]
+    rng.shuffle(prompts)
+    return Workload(f"decode{max_tokens}", f"80 rows over 3 system prompts x 3 documents, shuffled, {max_tokens} "
+                    "output tokens each", prompts, max_tokens=max_tokens)
+
+
 def all_workloads() -> list[Workload]:
-    return [shared_prefix(), corpus_over_pool(), no_sharing(), long_prompts()]
+    return [shared_prefix(), corpus_over_pool(), no_sharing(), long_prompts(), decode_heavy(128), decode_heavy(512)]
 
 
 def token_ids(prompts: list[str], folder: Path) -> list[list[int]]:
@@ -156,10 +168,12 @@ def unique_prefix_tokens(ids: list[list[int]]) -> int:
 def finalize(workload: Workload, ids: list[list[int]], pool_fraction: float = 0.25, block: int = 32) -> Workload:
     """Fix the corpus workload's KV pool to a fraction of the trie's size, rounded to whole 32-token blocks
     (a size every engine can hold exactly), and never below 4 of its longest prompts."""
+    from batchprefill.intmath import cdiv
+
     if workload.kv_pool_tokens == -1:
         pool = int(unique_prefix_tokens(ids) * pool_fraction)
         pool = max(pool, 4 * max(len(x) for x in ids))
-        workload.kv_pool_tokens = -(-pool // block) * block
+        workload.kv_pool_tokens = cdiv(pool, block) * block
     return workload
 
 

@@ -32,7 +32,7 @@ def tokenizer(model_folder):
 @pytest.fixture(scope="session")
 def loaded_model(model_folder):
     """SmolLM2-135M on the torch path in float32: one load for the whole session."""
-    from batchprefill.kernels.ops import TorchOps
+    from batchprefill.kernels.torch_ops import TorchOps
     from batchprefill.model.loader import load_model
 
     return load_model(model_folder, torch.float32, torch.device("cpu"), TorchOps())
@@ -54,15 +54,19 @@ def hf_reference(model_folder):
 def run_cli(args: list[str], cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
     """Run a console script as a user would, returning the completed process."""
     import subprocess
+    import sys
 
-    return subprocess.run(args, cwd=cwd or REPO, env={**os.environ, **(env or {})}, capture_output=True,
-                          text=True, timeout=timeout)
+    # This interpreter's scripts first, so the suite also runs from a virtual environment that is not activated.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return subprocess.run(args, cwd=cwd or REPO, env={**os.environ, "PATH": path, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="session")
 def make_engine(loaded_model, tokenizer):
     """An engine on the session's model; keyword arguments override EngineConfig fields."""
-    from batchprefill.engine.engine import Engine, EngineConfig
+    from batchprefill.engine.config import EngineConfig
+    from batchprefill.engine.engine import Engine
 
     def build(**overrides):
         config = EngineConfig(**{"num_blocks": 512, **overrides})

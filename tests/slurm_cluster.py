@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +23,10 @@ class SlurmCluster:
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
+        # The interpreter's own bin folder first: jobs and tests call batchprefill-run through PATH, which must
+        # find this environment's scripts even when its virtual environment is not activated.
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        self.env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf"), "PATH": path}
 
     @classmethod
     def start(cls, folder: Path) -> SlurmCluster:

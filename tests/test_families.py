@@ -20,9 +20,10 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchprefill.errors import JobError
-from batchprefill.kernels.ops import TorchOps, rope_cos_sin
+from batchprefill.kernels.torch_ops import TorchOps
 from batchprefill.model.families import read_config
 from batchprefill.model.loader import load_model, resolve_folder
+from batchprefill.model.rope import rope_cos_sin
 from batchprefill.model.tokenizer import PromptTokenizer
 from tests.conftest import run_cli
 from tests.test_numerics import prefill_logits
@@ -188,3 +189,69 @@ def test_an_unsupported_architecture_fails_with_one_line_naming_it_and_the_suppo
     for name in ("FalconForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                  "MistralForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"):
         assert name in lines[0]
+
+
+def test_triton_and_the_padded_decode_buffers_give_torch_greedy_tokens_past_a_window(family):
+    """Mistral's 8-token window under the Triton kernels, also through the fixed padded buffers CUDA graphs
+    replay (run eagerly here), whose decode launches are planned for the longest context, not the window."""
+    from batchprefill.engine.config import EngineConfig
+    from batchprefill.engine.engine import Engine
+    from batchprefill.engine.request import Request, SamplingParams
+    from batchprefill.kernels.triton_ops import TritonOps
+
+    folder, _ = family("mistral")
+    prompts = [random_prompt(19, seed=5), random_prompt(12, seed=5) + random_prompt(5, seed=6)]
+    outputs = {}
+    for name, ops, padded in (("torch", TorchOps(), "off"), ("triton", TritonOps(), "off"),
+                              ("padded", TritonOps(), "eager")):
+        loaded = load_model(resolve_folder(str(folder)), torch.float32, torch.device("cpu"), ops)
+        engine = Engine(loaded.model, EngineConfig(block_size=4, max_batched_tokens=10, num_blocks=32, max_num_seqs=2,
+                                                   padded_decode=padded), lambda ids: "", ("tiny",), torch.float32,
+                        torch.device("cpu"))
+        requests = [Request(i, p, SamplingParams(max_tokens=4, ignore_eos=True)) for i, p in enumerate(prompts)]
+        outputs[name] = {r.request_id: r.output_token_ids for r in engine.generate(requests)}
+        assert sum(r.num_cached_tokens for r in requests) == 12  # the second prompt reuses three blocks
+    assert outputs["triton"] == outputs["torch"]
+    assert outputs["padded"] == outputs["torch"]
+
+
+OLDER_LAYOUTS = {  # config.json as published before transformers 5 nested RoPE settings and wrote layer_types
+    "gemma-3-1b-it": ("Gemma3TextConfig", {
+        "architectures": ["Gemma3ForCausalLM"], "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152, "intermediate_size": 6912, "max_position_embeddings": 32768, "num_attention_heads": 4,
+        "num_hidden_layers": 26, "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+        "sliding_window_pattern": 6, "vocab_size": 262144, "final_logit_softcapping": None}),
+    "qwen2.5-with-a-window-switched-off": ("Qwen2Config", {
+        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
+        "num_hidden_layers": 24, "num_key_value_heads": 2, "max_window_layers": 21, "sliding_window": 131072,
+        "use_sliding_window": False, "rope_theta": 1000000.0, "vocab_size": 151936}),
+    "qwen3-with-a-window-on-the-top-layers": ("Qwen3Config", {
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 3072,
+        "num_attention_heads": 16, "num_hidden_layers": 6, "num_key_value_heads": 8, "head_dim": 128,
+        "max_window_layers": 4, "sliding_window": 4096, "use_sliding_window": True, "rope_theta": 1000000,
+        "vocab_size": 151936}),
+    "phi-3-mini-4k": ("Phi3Config", {
+        "architectures": ["Phi3ForCausalLM"], "hidden_size": 3072, "intermediate_size": 8192,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "sliding_window": 2047,
+        "rope_scaling": None, "rope_theta": 10000.0, "vocab_size": 32064, "max_position_embeddings": 4096}),
+}
+
+
+@pytest.mark.parametrize("name", list(OLDER_LAYOUTS))
+def test_older_config_layouts_give_the_windows_and_rope_bases_transformers_reads(name, tmp_path):
+    class_name, raw = OLDER_LAYOUTS[name]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours = read_config(tmp_path)
+    theirs = getattr(transformers, class_name)(**{k: v for k, v in raw.items() if k != "architectures"})
+    types = getattr(theirs, "layer_types", None) or ["sliding_attention"] * theirs.num_hidden_layers
+    window = theirs.sliding_window
+    expected = tuple(window if t == "sliding_attention" and window else None for t in types)
+    assert (ours.layer_windows or (None,) * ours.num_layers) == expected
+    rope = theirs.rope_parameters
+    if "full_attention" in rope:  # Gemma 3: a base per layer type
+        assert (ours.rope_theta, ours.local_rope_theta) == (rope["full_attention"]["rope_theta"],
+                                                            rope["sliding_attention"]["rope_theta"])
+        assert ours.query_scale == theirs.query_pre_attn_scalar**-0.5
+    else:
+        assert ours.rope_theta == rope["rope_theta"] and ours.local_rope_theta is None

@@ -6,11 +6,10 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchprefill.engine.block_pool import BlockPool, scope_key
+from batchprefill.engine.block_pool import BlockPool
+from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.request import Request, SamplingParams, Status
 from batchprefill.engine.scheduler import Scheduler
-
-ROOTS = {"": scope_key("m"), "other": scope_key("m", "other")}
 
 
 def check_pool(scheduler: Scheduler) -> None:
@@ -44,8 +43,10 @@ workloads = st.fixed_dictionaries({
 def test_random_workloads_keep_every_invariant(w):
     rng = random.Random(w["seed"])
     size = w["block_size"]
-    scheduler = Scheduler(BlockPool(w["num_blocks"]), size, w["budget"], w["max_seqs"], w["prefix_caching"], ROOTS,
-                          w["reserve_growth"])
+    config = EngineConfig(block_size=size, max_batched_tokens=w["budget"], max_num_seqs=w["max_seqs"],
+                          num_blocks=w["num_blocks"], prefix_caching=w["prefix_caching"],
+                          reserve_output_blocks=w["reserve_growth"])
+    scheduler = Scheduler(BlockPool(w["num_blocks"]), config, ("m",))
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(0, 4 * size))] for _ in range(3)]
     capacity = w["num_blocks"] * size
     requests = []

@@ -131,14 +131,14 @@ def test_job_level_faults_exit_non_zero_with_one_line(tmp_path, overrides, says)
 
 def test_an_explicit_pool_is_capped_at_what_the_job_can_use(model_folder):
     import torch
-    from omegaconf import OmegaConf
 
-    from batchprefill.job import _num_blocks
+    from batchprefill.engine.kv_cache import pool_blocks
     from batchprefill.model.families import read_config
 
     model = read_config(model_folder)
-    cfg = OmegaConf.create({"engine": {"block_size": 16, "max_num_seqs": 8, "kv_cache_tokens": 1_000_000}})
+    cpu = torch.device("cpu")
     # 1,000 tokens of prompts and outputs: 63 blocks, plus one partial block per sequence that may run at once
-    assert _num_blocks(cfg, model, torch.float32, torch.device("cpu"), tokens_needed=1000) == 63 + 8
-    cfg.engine.kv_cache_tokens = 320  # below the need: taken as given
-    assert _num_blocks(cfg, model, torch.float32, torch.device("cpu"), tokens_needed=1000) == 20
+    assert pool_blocks(model, torch.float32, cpu, 16, 8, requested_tokens=1_000_000, tokens_needed=1000) == 63 + 8
+    # below the need: taken as given
+    assert pool_blocks(model, torch.float32, cpu, 16, 8, requested_tokens=320, tokens_needed=1000) == 20
+

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchprefill.kernels.ops import TorchOps, rope_cos_sin
-from batchprefill.kernels.synthetic import random_paged_batch
+from batchprefill.kernels.torch_ops import TorchOps
 from batchprefill.kernels.triton_ops import TritonOps
+from batchprefill.model.rope import rope_cos_sin
+from tests.synthetic import random_paged_batch
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # bf16: interpreter casts truncate

@@ -9,7 +9,7 @@ import transformers
 
 from batchprefill.kernels.experts import ExpertWeights, torch_experts
 from batchprefill.kernels.linear import Linear, onednn_packs
-from batchprefill.kernels.ops import TorchOps
+from batchprefill.kernels.torch_ops import TorchOps
 from batchprefill.model.moe import SparseMoe, route
 
 

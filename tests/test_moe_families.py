@@ -12,9 +12,10 @@ import pytest
 import torch
 import transformers
 
-from batchprefill.engine.engine import Engine, EngineConfig
+from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request, SamplingParams
-from batchprefill.kernels.ops import TorchOps
+from batchprefill.kernels.torch_ops import TorchOps
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.families import read_config
 from batchprefill.model.loader import load_model, resolve_folder

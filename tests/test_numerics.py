@@ -7,7 +7,8 @@ stated tolerance and greedy tokens are compared over many prompts.
 import torch
 
 from batchprefill.engine.request import Request, SamplingParams
-from batchprefill.kernels.ops import AttentionMetadata
+from batchprefill.intmath import cdiv
+from batchprefill.kernels.interface import AttentionMetadata
 
 LOGIT_TOLERANCE = 2e-3  # float32 on the CPU: differences come only from summation order
 
@@ -15,7 +16,7 @@ LOGIT_TOLERANCE = 2e-3  # float32 on the CPU: differences come only from summati
 def prefill_logits(model, token_ids: list[int], chunk: int, block_size: int = 16) -> torch.Tensor:
     """Logits at every prompt position, computing the prompt `chunk` tokens at a time on a paged cache."""
     cfg = model.config
-    num_blocks = -(-len(token_ids) // block_size)
+    num_blocks = cdiv(len(token_ids), block_size)
     table = torch.randperm(num_blocks + 3)[:num_blocks].to(torch.int32)  # blocks in shuffled order
     shape = (num_blocks + 3, block_size, cfg.num_kv_heads, cfg.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]

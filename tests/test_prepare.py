@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from batchprefill.dataset import Columns
 from batchprefill.model.tokenizer import PromptTokenizer
-from batchprefill.order import Group, assign_shards, groups, prefix_order, reusable_tokens, shared_blocks
+from batchprefill.order import Group, assign_shards, groups, prefix_order, reusable_tokens
 from batchprefill.prepare import (
     ERROR,
     NAMESPACE,
@@ -146,6 +146,15 @@ def test_partition_records_name_each_partition_and_its_shard(words, tmp_path):
     assert [r["partition"] for r in records] == list(range(manifest.num_partitions))
     assert sum(r["rows"] for r in records) == 40
     assert all(r["partition"] in shards[r["shard"]] for r in records)
+
+
+def shared_blocks(a: list[int], b: list[int], block_size: int) -> int:
+    """The definition the vectorised counters in order.py are checked against: leading full blocks in common."""
+    blocks = 0
+    while (blocks + 1) * block_size <= min(len(a), len(b)) and \
+            a[blocks * block_size : (blocks + 1) * block_size] == b[blocks * block_size : (blocks + 1) * block_size]:
+        blocks += 1
+    return blocks
 
 
 def _reference_groups(token_ids: list[list[int]], namespaces: list[str], block_size: int) -> list[Group]:

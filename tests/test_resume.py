@@ -7,6 +7,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -60,8 +61,9 @@ def assert_same_outputs(out: Path, reference: Path, data: Path) -> None:
 
 
 def start_job(data: Path, out: Path) -> subprocess.Popen:
-    return subprocess.Popen(["batchprefill-run", f"data.input={data}", f"output.dir={out}", *FAST, *SLOW],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([str(Path(sys.executable).parent / "batchprefill-run"), f"data.input={data}",
+                             f"output.dir={out}", *FAST, *SLOW], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def wait_for_part(out: Path, job: subprocess.Popen | None = None, timeout: float = 300) -> None:

@@ -1,9 +1,10 @@
 """Sampling on the real model: seeds, top-k / top-p, stop strings, EOS and max_tokens."""
 
+import numpy as np
 import torch
 
 from batchprefill.engine.request import Request, SamplingParams
-from batchprefill.engine.sampler import _draw, request_generator
+from batchprefill.engine.sampler import SamplingBatch, draw, request_key, sample, uniforms
 
 
 def run(engine, prompts, **params):
@@ -30,11 +31,31 @@ def test_top_k_one_is_greedy(make_engine, chat_prompts):
 
 
 def test_top_p_keeps_only_the_nucleus():
-    logits = torch.tensor([5.0, 4.0, 0.0, -1.0, -2.0])  # the top two carry ~96% of the mass
-    generator = request_generator(0, 0, torch.device("cpu"))
-    draws = {_draw(logits, 1.0, -1, 0.9, generator) for _ in range(300)}
-    assert draws == {0, 1}
-    assert {_draw(logits, 1.0, 1, 1.0, generator) for _ in range(20)} == {0}
+    logits = torch.tensor([5.0, 4.0, 0.0, -1.0, -2.0]).expand(300, 5)  # the top two carry ~96% of the mass
+    u = torch.from_numpy(uniforms(np.full(300, request_key(0, 0), dtype=np.uint64), np.arange(300)))
+    ones, nucleus = torch.ones(300), torch.full((300,), 0.9)
+    assert set(draw(logits, ones, torch.full((300,), -1), nucleus, u).tolist()) == {0, 1}
+    assert set(draw(logits, ones, torch.ones(300, dtype=torch.int32), ones, u).tolist()) == {0}
+    assert set(draw(logits, ones, torch.full((300,), -1), ones, u).tolist()) - {0, 1}  # without it, the tail too
+
+
+def test_draws_follow_the_distribution_one_uniform_per_row():
+    """Inverse-CDF sampling with p = softmax([0, ln 3]) = (0.25, 0.75): 4,000 draws land within 3 sigma."""
+    logits = torch.tensor([0.0, float(np.log(3.0))]).expand(4000, 2)
+    u = torch.from_numpy(uniforms(np.arange(4000, dtype=np.uint64), np.zeros(4000)))
+    share = draw(logits, torch.ones(4000), torch.full((4000,), -1), torch.ones(4000), u).float().mean().item()
+    assert abs(share - 0.75) < 3 * (0.75 * 0.25 / 4000) ** 0.5
+
+
+def test_a_mixed_batch_samples_greedy_and_seeded_rows_in_one_call():
+    logits = torch.tensor([[0.0, 9.0, 1.0], [3.0, 0.0, 2.9], [0.0, 0.0, 0.0]])
+    batch = SamplingBatch(temperature=np.array([0.0, 0.0, 1.0], np.float32), top_k=np.array([-1, -1, -1], np.int32),
+                          top_p=np.ones(3, np.float32), keys=np.array([1, 2, 3], np.uint64),
+                          counters=np.array([0, 5, 7]))
+    tokens = sample(logits, batch)
+    assert tokens[:2].tolist() == [1, 0]  # the greedy rows take the argmax
+    again = sample(logits, batch)
+    assert tokens.tolist() == again.tolist()  # the seeded row's draw depends only on its key and counter
 
 
 def test_eos_stops_with_reason_stop_and_max_tokens_with_length(make_engine, chat_prompts):

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchprefill.kernels.ops import AttentionMetadata, TorchOps
-from batchprefill.kernels.synthetic import random_paged_batch
+from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.kernels.torch_ops import TorchOps
 from batchprefill.kernels.triton_ops import TritonOps
+from tests.synthetic import random_paged_batch
 
 
 def dense_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -61,14 +62,15 @@ def test_torch_attention_under_a_window_matches_a_dense_reference(case: str) -> 
         assert (got.double() - unwindowed).abs().max() > 1e-2
 
 
-def test_groups_sharing_a_prefix_see_only_their_window_of_it() -> None:
-    """Two decodes over the same 6 physical blocks form one group; with a window of 5 each query must not
-    see the shared blocks it has left behind."""
+def test_decodes_sharing_a_prefix_see_only_their_window_of_it() -> None:
+    """Two decodes over the same 6 physical blocks (a group for the full-attention layers); with a window of 5
+    each query must not see the shared blocks it has left behind, and the step's plan still serves the
+    full-attention layers."""
     query, k_cache, v_cache, meta = random_paged_batch([(27, 1), (29, 1)], 4, 2, 16, 4, torch.float32, seed=5)
     meta.block_tables[1, :6] = meta.block_tables[0, :6]  # the first 24 positions share blocks
     ops = TorchOps()
+    meta = ops.plan(meta, k_cache, query.shape[1], query.dtype)
     got = ops.attention(query, k_cache, v_cache, meta, 0.25, 5)
-    assert len(ops._groups) == 1 and len(ops._groups[0][0].members) == 2
     torch.testing.assert_close(got.double(), dense_reference(query, k_cache, v_cache, meta, 0.25, 5),
                                atol=1e-5, rtol=1e-5)
     full = ops.attention(query, k_cache, v_cache, meta, 0.25)  # same step, another layer: no window

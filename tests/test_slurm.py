@@ -66,7 +66,7 @@ def test_requeued_task_resumes_to_the_same_outputs(slurm, tmp_path):
     out.mkdir()
     overrides = [f"data.input={data}", *FAST, *SLOW]
     # The uninterrupted run, on the other core while Slurm runs the job.
-    uninterrupted = subprocess.Popen(["batchprefill-run", f"output.dir={reference}", *overrides],
+    uninterrupted = subprocess.Popen(["batchprefill-run", f"output.dir={reference}", *overrides], env=slurm.env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     job_id = slurm.sbatch("--requeue", f"--output={out}/slurm.out", str(REPO / "jobs" / "array.sbatch"),
                           f"output.dir={out}", *overrides, cwd=tmp_path)

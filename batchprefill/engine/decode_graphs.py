@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from batchprefill.kernels.ops import AttentionMetadata
+from batchprefill.intmath import cdiv
+from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.model.decoder import DecoderModel
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
@@ -29,7 +30,7 @@ class PaddedDecode:
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
         self.slots = torch.full((largest,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(largest, **int32)
-        self.block_tables = torch.zeros(largest, -(-max_len // block_size), **int32)
+        self.block_tables = torch.zeros(largest, cdiv(max_len, block_size), **int32)
         self.query_start = torch.arange(largest + 1, **int32)
         self.rows = torch.arange(largest, dtype=torch.int64, device=device)
         self.max_len = max_len

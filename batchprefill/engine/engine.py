@@ -8,24 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchprefill.engine.block_pool import BlockPool, scope_key
+from batchprefill.engine.block_pool import BlockPool
+from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.model_runner import ModelRunner
 from batchprefill.engine.request import Request
-from batchprefill.engine.sampler import sample
 from batchprefill.engine.scheduler import Scheduler
+from batchprefill.engine.step import Step
 from batchprefill.model.decoder import DecoderModel
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = 16
-    max_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    num_blocks: int = 1024
-    prefix_caching: bool = True
-    cache_namespace: str = "default"
-    reserve_output_blocks: bool = True  # admit a request only if its prompt and max_tokens outputs fit
-    padded_decode: str = "off"  # "graphs" on CUDA: decode-only steps replay captured CUDA graphs
 
 
 @dataclass
@@ -38,6 +27,13 @@ class StepRecord:
     reclaimable_blocks: int
     free_blocks: int
     duration_ms: float
+    # Where the step's time went, on the host's clock. On a GPU the forward only launches: its device time
+    # shows up in sample_ms, which waits for the logits.
+    schedule_ms: float
+    prepare_ms: float
+    forward_ms: float
+    sample_ms: float
+    bookkeeping_ms: float  # appending tokens, stop checks, finishing requests, this record
 
 
 @dataclass
@@ -48,17 +44,15 @@ class EngineCounters:
 
 
 class Engine:
-    def __init__(self, model: DecoderModel, config: EngineConfig, decode: Callable[[list[int]], str],
+    def __init__(self, model: DecoderModel, config: EngineConfig, detokenize: Callable[[list[int]], str],
                  model_scope: tuple, kv_dtype: torch.dtype, device: torch.device):
+        """`model_scope`: everything about the model that changes KV for the same tokens (the cache's scope)."""
         self.config = config
-        self.decode = decode
-        self.model_scope = model_scope
+        self.detokenize = detokenize
         self.eos = set(model.config.eos_token_ids)
         self.max_positions = model.config.max_positions
         self.pool = BlockPool(config.num_blocks)
-        self.root_keys: dict[str, bytes] = {}
-        self.scheduler = Scheduler(self.pool, config.block_size, config.max_batched_tokens, config.max_num_seqs,
-                                   config.prefix_caching, self.root_keys, config.reserve_output_blocks)
+        self.scheduler = Scheduler(self.pool, config, model_scope)
         self.runner = ModelRunner(model, config.num_blocks, config.block_size, kv_dtype, device,
                                   config.padded_decode, config.max_num_seqs)
         self.counters = EngineCounters()
@@ -73,9 +67,6 @@ class Engine:
             self._finish(request, "error", "")
             self.rejected.append(request)
             return
-        namespace = request.namespace
-        if namespace not in self.root_keys:
-            self.root_keys[namespace] = scope_key(*self.model_scope, self.config.cache_namespace, namespace)
         self.scheduler.add(request)
 
     def has_work(self) -> bool:
@@ -83,18 +74,30 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One forward pass; returns the requests that finished in it."""
-        started = time.perf_counter()
+        clock = [time.perf_counter()]
         step = self.scheduler.schedule()
+        clock.append(time.perf_counter())
         finished, self.rejected = self.rejected, []
+        for request in step.preempted:
+            self.runner.release(request)
         if step.chunks:
-            logits, sampled = self.runner.run(step)
+            inputs = self.runner.prepare(step)
+            clock.append(time.perf_counter())
+            logits = self.runner.forward(inputs)
+            clock.append(time.perf_counter())
+            tokens = self.runner.sample(logits, inputs).tolist()
+            clock.append(time.perf_counter())
             self.scheduler.commit(step)
-            requests = [step.chunks[i].request for i in sampled]
-            for request, token in zip(requests, sample(logits, requests)):
+            chunks = step.chunks
+            for index, token in zip(inputs.sampled.tolist(), tokens):
+                request = chunks[index].request
                 if self._append(request, token):
                     self.scheduler.finish(request)
+                    self.runner.release(request)
                     finished.append(request)
-        self._record(step, started)
+        else:
+            clock += clock[-1:] * 3
+        self._record(step, clock)
         return finished
 
     def generate(self, requests: Iterable[Request], lookahead: int | None = None) -> Iterator[Request]:
@@ -118,15 +121,21 @@ class Engine:
         request.output_token_ids.append(token)
         params = request.sampling
         if token in self.eos and not params.ignore_eos:
-            return self._finish(request, "stop", self.decode(request.output_token_ids))
-        if params.stop:
-            text = self.decode(request.output_token_ids)
-            hits = [text.find(s) for s in params.stop if s in text]
-            if hits:
-                return self._finish(request, "stop", text[: min(hits)])
+            return self._finish(request, "stop", self.detokenize(request.output_token_ids))
+        if params.stop and self._stop_in_tail(request):
+            text = self.detokenize(request.output_token_ids)
+            return self._finish(request, "stop", text[: min(text.find(s) for s in params.stop if s in text)])
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_positions:
-            return self._finish(request, "length", self.decode(request.output_token_ids))
+            return self._finish(request, "length", self.detokenize(request.output_token_ids))
         return False
+
+    def _stop_in_tail(self, request: Request) -> bool:
+        """Whether a stop string now ends the output: only the last tokens are decoded, enough for the longest
+        stop string even at one byte per token (4 per character), so the check costs the same at every length."""
+        params = request.sampling
+        window = 4 * max(map(len, params.stop)) + 4
+        tail = self.detokenize(request.output_token_ids[-window:])
+        return any(s in tail for s in params.stop)
 
     @staticmethod
     def _finish(request: Request, reason: str, text: str) -> bool:
@@ -134,13 +143,17 @@ class Engine:
         request.output_text = text
         return True
 
-    def _record(self, step, started: float) -> None:
+    def _record(self, step: Step, clock: list[float]) -> None:
+        """The step's statistics row; `clock` holds its start and the end of schedule, prepare, forward, sample."""
         counts = self.pool.counts()
         self.counters.prefill_tokens += step.num_prefill_tokens
         self.counters.decode_tokens += step.num_decode_tokens
+        now = time.perf_counter()
+        schedule, prepare, forward, sample = (1e3 * (b - a) for a, b in zip(clock, clock[1:]))
         self.counters.steps.append(StepRecord(
             step=len(self.counters.steps), num_decode_tokens=step.num_decode_tokens,
             num_prefill_tokens=step.num_prefill_tokens, num_seqs=len(step.chunks),
             active_blocks=counts.active, reclaimable_blocks=counts.reclaimable, free_blocks=counts.free,
-            duration_ms=(time.perf_counter() - started) * 1e3,
+            duration_ms=(now - clock[0]) * 1e3, schedule_ms=schedule, prepare_ms=prepare, forward_ms=forward,
+            sample_ms=sample, bookkeeping_ms=(now - clock[-1]) * 1e3,
         ))

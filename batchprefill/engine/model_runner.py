@@ -1,4 +1,4 @@
-"""Turns a scheduled step into one flat forward pass over the paged KV pool."""
+"""Turns a scheduled step into one flat forward pass over the paged KV pool, and samples its next tokens."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import numpy as np
 import torch
 
 from batchprefill.engine.decode_graphs import PaddedDecode
-from batchprefill.engine.scheduler import Step
-from batchprefill.kernels.ops import AttentionMetadata
+from batchprefill.engine.input_batch import InputBatch, StepInputs
+from batchprefill.engine.kv_cache import allocate_kv_caches
+from batchprefill.engine.request import Request
+from batchprefill.engine.sampler import sample
+from batchprefill.engine.step import Step
+from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.model.decoder import DecoderModel
 
 
@@ -15,58 +19,53 @@ class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, padded_decode: str = "off", max_num_seqs: int = 256):
         """`padded_decode`: "off", "eager" (fixed padded buffers, no capture: for tests) or "graphs" (CUDA)."""
-        cfg = model.config
         self.model = model
-        self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_dtype, device)
+        self.batch = InputBatch(max_num_seqs, model.config.max_positions, block_size)
         self.decoder = None
         if padded_decode != "off":
             self.decoder = PaddedDecode(model, self.kv_caches, block_size, max_num_seqs, device,
                                         capture=padded_decode == "graphs")
+        self._staging = torch.empty(0, dtype=torch.int64, pin_memory=device.type == "cuda")
 
-    def run(self, step: Step) -> tuple[torch.Tensor, list[int]]:
-        """Logits for every chunk that reaches the end of its known tokens, and those chunks' indices."""
-        size = self.block_size
-        ids, positions, slots, query_lens, seq_lens, tables, sampled = [], [], [], [], [], [], []
-        for index, chunk in enumerate(step.chunks):
-            request, count = chunk.request, chunk.num_tokens
-            start = request.num_computed_tokens
-            span = np.arange(start, start + count)
-            table = np.asarray(request.block_table, dtype=np.int64)
-            ids.extend(request.tokens(start, start + count))
-            positions.append(span)
-            slots.append(table[span // size] * size + span % size)
-            query_lens.append(count)
-            seq_lens.append(start + count)
-            tables.append(table)
-            if start + count == request.num_tokens:
-                sampled.append(index)
-        if self.decoder and len(sampled) == len(ids) and self.decoder.fits(len(ids)):
-            logits = self.decoder.run(ids, np.concatenate(positions).tolist(), np.concatenate(slots).tolist(),
-                                      seq_lens, [t.tolist() for t in tables])
-            return logits, sampled
-        width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(tables), width), dtype=np.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, : len(table)] = table
-        query_start = np.concatenate([[0], np.cumsum(query_lens)])
-        rows = query_start[1:][sampled] - 1
-        to = lambda array, dtype: torch.from_numpy(np.asarray(array)).to(device=self.device, dtype=dtype)  # noqa: E731
+    def release(self, request: Request) -> None:
+        self.batch.release(request)
+
+    def prepare(self, step: Step) -> StepInputs:
+        return self.batch.prepare(step)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits `[R, vocab]` for the step's sampled rows."""
+        if self.decoder and inputs.is_decode_only and self.decoder.fits(len(inputs.input_ids)):
+            return self.decoder.run(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
+                                    inputs.block_tables)
+        ids, positions, slots, query_start, seq_lens, tables, rows = self._to_device(
+            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start, inputs.seq_lens,
+            inputs.block_tables, inputs.logits_rows)
         meta = AttentionMetadata(
-            query_start=to(query_start, torch.int32),
-            seq_lens=to(seq_lens, torch.int32),
-            block_tables=to(block_tables, torch.int32),
-            slot_mapping=to(np.concatenate(slots), torch.int64),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
+            query_start=query_start.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
+            block_tables=tables.to(torch.int32), slot_mapping=slots,
+            query_lens_host=np.diff(inputs.query_start).tolist(), seq_lens_host=inputs.seq_lens.tolist(),
         )
-        logits = self.model(
-            to(ids, torch.int64), to(np.concatenate(positions), torch.int64), self.kv_caches, meta,
-            to(rows, torch.int64),
-        )
-        return logits, sampled
+        return self.model(ids, positions, self.kv_caches, meta, rows)
+
+    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> np.ndarray:
+        return sample(logits, inputs.sampling)
+
+    def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """The step's index arrays as int64 tensors on the device. On the CPU they are views of the arrays; on a
+        GPU they travel packed in one pinned buffer, in one copy that does not block the host."""
+        if self.device.type == "cpu":
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        if self._staging.numel() < total:
+            self._staging = torch.empty(2 * total, dtype=torch.int64, pin_memory=True)
+        host = self._staging.numpy()
+        offset = 0
+        for array, size in zip(arrays, sizes):
+            host[offset : offset + size] = array.reshape(-1)
+            offset += size
+        packed = self._staging[:total].to(self.device, non_blocking=True)
+        return [part.view(array.shape) for part, array in zip(packed.split(sizes), arrays)]

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -44,7 +42,8 @@ class Request:
     finish_reason: str | None = None
     output_text: str = ""
     error: str | None = None
-    generator: torch.Generator | None = None
+    sample_index: int = 0  # which of a prompt's samples this is: part of its random stream's key
+    batch_row: int = -1  # its row in the model runner's persistent batch while it runs, else -1
 
     @property
     def num_prompt_tokens(self) -> int:

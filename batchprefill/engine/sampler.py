@@ -1,39 +1,84 @@
-"""Next-token choice: greedy, or temperature with top-k / top-p, each request on its own seeded stream."""
+"""Next-token choice for a whole step in one pass: greedy rows by argmax, the others by temperature, top-k and
+top-p given as per-row vectors, each row drawing from its own request's random stream.
+
+A request's stream is counter-based: the draw for its n-th output token is a hash of (the request's key, n),
+and the key depends only on the job's seed, the row's id and its sample index. So a row gets the same tokens
+whatever shares its batch, after a resume and on another shard, and the batch needs no per-row generator:
+one uniform per row, turned into a token by inverse-CDF sampling over the filtered distribution. The old
+per-row loop (topk, sort, softmax, multinomial and a host sync per row) is gone; there is one host copy per
+step, of the chosen tokens.
+"""
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from batchprefill.engine.request import Request
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-def request_generator(seed: int, request_id: int, device: torch.device) -> torch.Generator:
-    """A stream that depends only on the job's seed and the row, never on what else shares the batch."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed((seed * 1_000_003 + request_id) % (2**63))
-    return generator
+def request_key(seed: int, request_id: int, sample_index: int = 0) -> int:
+    """The 64-bit key of a request's random stream: the job's seed, the row and the sample, nothing else."""
+    digest = hashlib.blake2b(f"{seed}:{request_id}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    tokens = logits.argmax(dim=-1).tolist()
-    for row, request in enumerate(requests):
-        params = request.sampling
-        if params.greedy:
-            continue
-        if request.generator is None:
-            request.generator = request_generator(params.seed, request.request_id, logits.device)
-        tokens[row] = _draw(logits[row], params.temperature, params.top_k, params.top_p, request.generator)
-    return tokens
+def uniforms(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """One draw in [0, 1) per row: splitmix64 of (key, counter), the counter being the output index."""
+    with np.errstate(over="ignore"):
+        x = keys.astype(np.uint64) + (counters.astype(np.uint64) + np.uint64(1)) * _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
-def _draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator) -> int:
-    scores = logits.float() / temperature
-    if 0 < top_k < scores.numel():
-        kth = torch.topk(scores, top_k).values[-1]
+@dataclass
+class SamplingBatch:
+    """The sampled rows' settings, one entry per logits row."""
+
+    temperature: np.ndarray  # float32; 0 = greedy
+    top_k: np.ndarray  # int32; <= 0 = off
+    top_p: np.ndarray  # float32; 1 = off
+    keys: np.ndarray  # uint64 stream keys
+    counters: np.ndarray  # int64: outputs each row already has (the index of the token drawn now)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
+    """The next token of every row `[R]`, as a host array."""
+    tokens = logits.argmax(dim=-1)
+    drawn = np.flatnonzero(batch.temperature > 0)
+    if drawn.size:
+        device = logits.device
+        rows = torch.from_numpy(drawn).to(device)
+        as_tensor = lambda values: torch.from_numpy(np.ascontiguousarray(values[drawn])).to(device)  # noqa: E731
+        tokens[rows] = draw(logits[rows], as_tensor(batch.temperature), as_tensor(batch.top_k),
+                            as_tensor(batch.top_p), torch.from_numpy(uniforms(batch.keys[drawn],
+                                                                               batch.counters[drawn])).to(device))
+    return tokens.cpu().numpy()
+
+
+def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+         u: torch.Tensor) -> torch.Tensor:
+    """Tokens `[R]` drawn from softmax(logits / temperature) restricted to each row's top-k and top-p nucleus,
+    at the quantile `u` of each row's distribution (inverse-CDF sampling: one uniform per row)."""
+    scores = logits.float() / temperature[:, None].float()
+    vocab = scores.shape[-1]
+    limited = (top_k > 0) & (top_k < vocab)
+    if bool(limited.any()):
+        largest = int(top_k[limited].max())
+        kth = scores.topk(largest, dim=-1).values.gather(1, (top_k.clamp(1, largest) - 1).long()[:, None])
+        kth = torch.where(limited[:, None], kth, torch.full_like(kth, float("-inf")))
         scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        ordered, order = scores.sort(descending=True)
+    if bool((top_p < 1).any()):
+        ordered, order = scores.sort(dim=-1, descending=True)
         probs = ordered.softmax(-1)
-        outside = probs.cumsum(-1) - probs > top_p  # tokens past the nucleus (the top one always stays)
-        scores = scores.scatter(0, order[outside], float("-inf"))
-    return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+        outside = probs.cumsum(-1) - probs > top_p[:, None].float()  # past the nucleus; the top token always stays
+        scores = torch.empty_like(scores).scatter_(1, order, ordered.masked_fill(outside, float("-inf")))
+    cdf = scores.softmax(-1).cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)

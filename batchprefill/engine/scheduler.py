@@ -10,41 +10,34 @@ cannot hold a step's KV, the newest running request is preempted and recomputed 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
-from batchprefill.engine.block_pool import BlockPool, block_key
+from batchprefill.engine.block_pool import BlockPool, block_key, scope_key
+from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.request import Request, Status
-
-
-@dataclass
-class ScheduledChunk:
-    request: Request
-    num_tokens: int  # query tokens this step, from request.num_computed_tokens on
-
-
-@dataclass
-class Step:
-    chunks: list[ScheduledChunk]
-    num_decode_tokens: int
-    num_prefill_tokens: int
+from batchprefill.engine.step import ScheduledChunk, Step
+from batchprefill.intmath import cdiv
 
 
 class Scheduler:
-    def __init__(
-        self, pool: BlockPool, block_size: int, max_batched_tokens: int, max_num_seqs: int,
-        prefix_caching: bool = True, root_keys: dict[str, bytes] | None = None, reserve_growth: bool = True,
-    ):
+    """Built from the engine config and the model's cache scope; the policies it was built with are fixed."""
+
+    def __init__(self, pool: BlockPool, config: EngineConfig, scope: tuple):
         self.pool = pool
-        self.block_size = block_size
-        self.max_batched_tokens = max_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.prefix_caching = prefix_caching
-        self.reserve_growth = reserve_growth
-        self.root_keys = root_keys if root_keys is not None else {}
+        self.block_size = config.block_size
+        self.max_batched_tokens = config.max_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.reserve_growth = config.reserve_output_blocks
+        self.scope = (*scope, config.cache_namespace)
+        self.root_keys: dict[str, bytes] = {}  # namespace -> the root of its hash chains
+        # Chosen once here, so the per-step path never asks whether prefix caching is on.
+        self._match = self._cached_prefix if config.prefix_caching else self._no_prefix
+        self._claim_in_flight = self._announce_blocks if config.prefix_caching else self._announce_nothing
+        self._cache_full_blocks = self._register_blocks if config.prefix_caching else self._register_nothing
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.in_flight: dict[bytes, Request] = {}  # keys of blocks some request is computing right now
         self.preemptions = 0
+        self._preempted: list[Request] = []  # this step's, handed out with it
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -56,15 +49,22 @@ class Scheduler:
     def _keys(self, request: Request, num_blocks: int) -> list[bytes]:
         """The request's chained block keys for its first `num_blocks` full blocks."""
         keys, size = request.block_hashes, self.block_size
-        parent = keys[-1] if keys else self.root_keys[request.namespace]
+        parent = keys[-1] if keys else self._root_key(request.namespace)
         while len(keys) < num_blocks:
             start = len(keys) * size
             parent = block_key(parent, request.tokens(start, start + size))
             keys.append(parent)
         return keys[:num_blocks]
 
+    def _root_key(self, namespace: str) -> bytes:
+        """Everything that changes KV for the same tokens: the model's scope, the cache namespace, the tenant."""
+        key = self.root_keys.get(namespace)
+        if key is None:
+            key = self.root_keys[namespace] = scope_key(*self.scope, namespace)
+        return key
+
     def _blocks_needed(self, request: Request, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(request.block_table))
+        return max(0, cdiv(num_tokens, self.block_size) - len(request.block_table))
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> Step:
@@ -90,7 +90,7 @@ class Scheduler:
             if request.is_decoding or id(request) in scheduled:
                 continue
             count = min(request.num_tokens - request.num_computed_tokens, budget)
-            count = min(count, self._fits(request))
+            count = min(count, self._room_for(request))
             if count <= 0:
                 break
             self._reserve(request, count, scheduled)
@@ -99,9 +99,10 @@ class Scheduler:
             budget -= count
 
         budget = self._admit(budget, chunks)
-        return Step(chunks, num_decode, self.max_batched_tokens - budget - num_decode)
+        preempted, self._preempted = self._preempted, []
+        return Step(chunks, num_decode, self.max_batched_tokens - budget - num_decode, preempted)
 
-    def _fits(self, request: Request) -> int:
+    def _room_for(self, request: Request) -> int:
         """How many more tokens of this request the pool can hold without preempting anyone."""
         slack = len(request.block_table) * self.block_size - request.num_computed_tokens
         return slack + self.pool.num_available * self.block_size
@@ -124,6 +125,7 @@ class Scheduler:
         request.status = Status.WAITING
         self.waiting.appendleft(request)
         self.preemptions += 1
+        self._preempted.append(request)
 
     def _release(self, request: Request) -> None:
         for key in request.block_hashes:
@@ -135,7 +137,7 @@ class Scheduler:
     def _growth(self, request: Request) -> int:
         """Blocks a request may still claim: up to its whole prompt plus max_tokens outputs."""
         final = request.num_prompt_tokens + request.sampling.max_tokens
-        return max(0, -(-final // self.block_size) - len(request.block_table))
+        return max(0, cdiv(final, self.block_size) - len(request.block_table))
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         """Admit waiting requests in order while budget, sequence slots and blocks last.
@@ -154,11 +156,11 @@ class Scheduler:
                 continue
             cached = len(hits) * self.block_size
             count = min(request.num_tokens - cached, budget)
-            need = -(-(cached + count) // self.block_size) - len(hits)
+            need = cdiv(cached + count, self.block_size) - len(hits)
             claim = need
             if self.reserve_growth:
                 total = request.num_prompt_tokens + request.sampling.max_tokens
-                claim = max(need, -(-total // self.block_size) - len(hits)) + reserved
+                claim = max(need, cdiv(total, self.block_size) - len(hits)) + reserved
             if claim > self.pool.num_available - sum(self.pool.ref_counts[b] == 0 for b in hits):
                 self.waiting.appendleft(request)
                 break
@@ -177,13 +179,11 @@ class Scheduler:
         self.waiting.extendleft(reversed(held_back))
         return budget
 
-    def _match(self, request: Request) -> tuple[list[int], bytes | None]:
+    def _cached_prefix(self, request: Request) -> tuple[list[int], bytes | None]:
         """Cached blocks of the request's longest cached prefix, and the key of the first block it must compute.
 
         At least one token is always left to compute: its logits give the first output token.
         """
-        if not self.prefix_caching:
-            return [], None
         matchable = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []
         for key in self._keys(request, matchable):
@@ -193,14 +193,32 @@ class Scheduler:
             hits.append(block)
         return hits, None
 
-    def _claim_in_flight(self, request: Request, first: int) -> None:
+    @staticmethod
+    def _no_prefix(request: Request) -> tuple[list[int], bytes | None]:
+        return [], None
+
+    def _announce_blocks(self, request: Request, first: int) -> None:
         """Announce the full prompt blocks this request will compute, so its group waits for them."""
-        if not self.prefix_caching:
-            return
         full = request.num_tokens // self.block_size
         for key in self._keys(request, full)[first:]:
             if key not in self.in_flight and self.pool.lookup(key) is None:
                 self.in_flight[key] = request
+
+    @staticmethod
+    def _announce_nothing(request: Request, first: int) -> None:
+        pass
+
+    def _register_blocks(self, request: Request, before: int) -> None:
+        """Cache every block from `before` on that the request has now fully computed."""
+        full = request.num_computed_tokens // self.block_size
+        for index, key in enumerate(self._keys(request, full)[before:], start=before):
+            self.pool.register(request.block_table[index], key)
+            if self.in_flight.get(key) is request:
+                del self.in_flight[key]
+
+    @staticmethod
+    def _register_nothing(request: Request, before: int) -> None:
+        pass
 
     # ---- after the forward pass -----------------------------------------------------------------
     def commit(self, step: Step) -> None:
@@ -209,13 +227,7 @@ class Scheduler:
             request = chunk.request
             before = request.num_computed_tokens // self.block_size
             request.num_computed_tokens += chunk.num_tokens
-            if not self.prefix_caching:
-                continue
-            full = request.num_computed_tokens // self.block_size
-            for index, key in enumerate(self._keys(request, full)[before:], start=before):
-                self.pool.register(request.block_table[index], key)
-                if self.in_flight.get(key) is request:
-                    del self.in_flight[key]
+            self._cache_full_blocks(request, before)
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)

@@ -15,14 +15,13 @@ host, and reused by every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from batchprefill.kernels.ops import AttentionMetadata
+from batchprefill.intmath import cdiv
+from batchprefill.kernels.interface import AttentionMetadata
 
 # Padding and masked-off work stay within this multiple of the real query-key pairs: in a batch of groups,
 # and inside a group, where every query scans its partners' own blocks too.
@@ -31,7 +30,7 @@ MAX_BATCH_KEY_BLOCKS = 1 << 14  # a batch gathers at most this many KV blocks (g
 
 
 @dataclass
-class Group:
+class AttentionGroup:
     """Sequences (step indices) whose first `shared` blocks are the same physical blocks."""
 
     shared: int
@@ -51,13 +50,31 @@ class GroupBatch:
     mask: torch.Tensor  # [NG, 1, M*G*W, B*block] additive: 0 where a query sees the key, -inf where not
 
 
-def find_groups(meta: AttentionMetadata, seqs: list[int], tables: list[list[int]], block: int) -> list[Group]:
+def find_groups(meta: AttentionMetadata, seqs: list[int], tables: list[list[int]], block: int) -> list[AttentionGroup]:
     """Group the sequences by the deepest run of leading blocks they share with another sequence of the set.
 
     Only blocks wholly before a sequence's first query count as shared: the block it is writing is its own.
     In a prefix-ordered batch the deepest shared level is a document under a system prompt, not just the
     system prompt. A sequence that shares nothing is a group of its own.
     """
+    groups = []
+    for prefix, members in by_deepest_prefix(meta, seqs, tables, block).items():
+        alone = [_group_of((), [s], meta, tables, block) for s in members]
+        if len(members) > 1:
+            # Every query of a group scans all its keys, its partners' own blocks included (masked): worth it
+            # only while the shared part outweighs the partners' (decodes, short questions), not for long chunks.
+            group = _group_of(prefix, members, meta, tables, block)
+            if _pairs(group, meta) <= PADDING_BUDGET * sum(_pairs(g, meta) for g in alone):
+                groups.append(group)
+                continue
+        groups += alone
+    return groups
+
+
+def by_deepest_prefix(meta: AttentionMetadata, seqs: list[int], tables: list[list[int]], block: int
+                      ) -> dict[tuple[int, ...], list[int]]:
+    """The sequences keyed by the deepest run of leading blocks each shares with another sequence of the set
+    (an empty key: it shares none). Only blocks wholly before a sequence's first query count as shared."""
     first_query_block = {s: (meta.seq_lens_host[s] - meta.query_lens_host[s]) // block for s in seqs}
     holders: dict[int, int] = {}
     for s in seqs:
@@ -69,46 +86,35 @@ def find_groups(meta: AttentionMetadata, seqs: list[int], tables: list[list[int]
         while count < first_query_block[s] and holders[tables[s][count]] > 1:
             count += 1
         by_prefix.setdefault(tuple(tables[s][:count]), []).append(s)
-    groups = []
-    for prefix, members in by_prefix.items():
-        alone = [_layout((), [s], meta, tables, block) for s in members]
-        if len(members) > 1:
-            # Every query of a group scans all its keys, its partners' own blocks included (masked): worth it
-            # only while the shared part outweighs the partners' (decodes, short questions), not for long chunks.
-            group = _layout(prefix, members, meta, tables, block)
-            if _pairs(group, meta) <= PADDING_BUDGET * sum(_pairs(g, meta) for g in alone):
-                groups.append(group)
-                continue
-        groups += alone
-    return groups
+    return by_prefix
 
 
-def _layout(prefix: tuple[int, ...], members: list[int], meta: AttentionMetadata, tables: list[list[int]],
-            block: int) -> Group:
+def _group_of(prefix: tuple[int, ...], members: list[int], meta: AttentionMetadata, tables: list[list[int]],
+              block: int) -> AttentionGroup:
     keys, spans = list(prefix), []
     for s in members:
-        own = tables[s][len(prefix) : -(-meta.seq_lens_host[s] // block)]
+        own = tables[s][len(prefix) : cdiv(meta.seq_lens_host[s], block)]
         spans.append((len(keys), len(own)))
         keys += own
-    return Group(len(prefix), members, keys, spans)
+    return AttentionGroup(len(prefix), members, keys, spans)
 
 
-def _pairs(group: Group, meta: AttentionMetadata) -> int:
+def _pairs(group: AttentionGroup, meta: AttentionMetadata) -> int:
     """Query-key block pairs a group's fused call computes for its real queries."""
     return sum(meta.query_lens_host[s] for s in group.members) * len(group.keys)
 
 
-def batch_groups(groups: list[Group], meta: AttentionMetadata) -> list[list[Group]]:
+def batch_groups(groups: list[AttentionGroup], meta: AttentionMetadata) -> list[list[AttentionGroup]]:
     """Split groups into batches whose padding stays within PADDING_BUDGET of their real work and whose
     gathered keys stay within MAX_BATCH_KEY_BLOCKS (a group larger than that is a batch of its own)."""
 
-    def width(g: Group) -> int:
+    def width(g: AttentionGroup) -> int:
         return max(meta.query_lens_host[s] for s in g.members)
 
-    def cost(g: Group) -> int:
+    def cost(g: AttentionGroup) -> int:
         return len(g.members) * width(g) * len(g.keys)
 
-    batches: list[list[Group]] = []
+    batches: list[list[AttentionGroup]] = []
     shape, real = (0, 0, 0), 0  # the current batch's largest (members, width, keys), and its real work
     for group in sorted(groups, key=cost):
         grown = tuple(max(a, b) for a, b in zip(shape, (len(group.members), width(group), len(group.keys))))
@@ -123,10 +129,9 @@ def batch_groups(groups: list[Group], meta: AttentionMetadata) -> list[list[Grou
     return batches
 
 
-def lay_out(batch: list[Group], meta: AttentionMetadata, block: int, heads_per_kv: int, dtype: torch.dtype,
-            device: torch.device, window: int | None = None) -> GroupBatch:
-    """The index tensors and mask of one batch of groups; a sliding `window` hides keys at or below
-    `position - window` from each query."""
+def pad_batch(batch: list[AttentionGroup], meta: AttentionMetadata, block: int, heads_per_kv: int, dtype: torch.dtype,
+            device: torch.device) -> GroupBatch:
+    """The index tensors and mask of one batch of groups."""
     num_groups = len(batch)
     members = max(len(g.members) for g in batch)
     width = max(meta.query_lens_host[s] for g in batch for s in g.members)
@@ -150,11 +155,6 @@ def lay_out(batch: list[Group], meta: AttentionMetadata, block: int, heads_per_k
             start, count = group.own_spans[min(m, len(group.members) - 1)]
             own_positions = group.shared * block + np.arange(count * block)  # absolute position of each own key
             visible[g, m, :, start * block : (start + count) * block] = own_positions[None, :] <= positions[:, None]
-            if window is not None:
-                key_positions = np.full(num_keys, -window - 1)  # padding keys stay hidden
-                key_positions[: group.shared * block] = np.arange(group.shared * block)
-                key_positions[start * block : (start + count) * block] = own_positions
-                visible[g, m] &= key_positions[None, :] > positions[:, None] - window
     # query rows are (member, head in group, query): the mask repeats over the heads that share a KV head
     visible = np.repeat(visible[:, :, None], heads_per_kv, axis=2).reshape(num_groups, 1, -1, num_keys)
     mask = torch.zeros(visible.shape, dtype=dtype, device=device)

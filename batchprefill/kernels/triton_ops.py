@@ -7,7 +7,7 @@ import triton
 
 from batchprefill.kernels import triton_elementwise
 from batchprefill.kernels.experts import ExpertWeights
-from batchprefill.kernels.ops import AttentionMetadata
+from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.triton_attention import (
     MAX_SEGMENTS,
     decode_attention,
@@ -39,6 +39,11 @@ class TritonOps:
     def _block_n(self) -> int:
         """KV tokens per tile; any size works, as each row finds its own block."""
         return self.block_n or 64
+
+    def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
+             ) -> AttentionMetadata:
+        """Launch choices follow the host lengths the metadata already carries: nothing to build per step."""
+        return meta
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

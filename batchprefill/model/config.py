@@ -11,6 +11,11 @@ from dataclasses import dataclass
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
+    """One K and one V vector per KV head per layer: the memory (and transfer) price of each token."""
+    return 2 * layers * kv_heads * head_dim * bytes_per_element
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -42,6 +47,9 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """The sliding window of one layer: its queries see their last `window` positions, themselves included."""
         return self.layer_windows[layer] if self.layer_windows else None
+
+    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, bytes_per_element)
 
     def num_parameters(self) -> int:
         """Parameters in the linear layers and the LM head: the N of the 2·tokens·N FLOP estimate."""

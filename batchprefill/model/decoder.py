@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchprefill.kernels.interface import AttentionMetadata, Ops
 from batchprefill.kernels.linear import Linear
-from batchprefill.kernels.ops import AttentionMetadata, Ops, rope_cos_sin
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.families import family_for
 from batchprefill.model.families.base import Layer, Weights, norm
+from batchprefill.model.rope import rope_cos_sin
 
 
 class DecoderModel(torch.nn.Module):
@@ -27,7 +28,7 @@ class DecoderModel(torch.nn.Module):
         self.ops = ops
         family = family_for(config.architecture)
         self.embed = weights["model.embed_tokens.weight"]
-        self.embedding_scale = torch.tensor(config.embedding_scale, dtype=self.embed.dtype)
+        self.embedding_scale = torch.tensor(config.embedding_scale, dtype=self.embed.dtype, device=self.embed.device)
         self.final_norm = norm(weights, "model.norm.weight", config)
         self.lm_head = Linear(self.embed if config.tie_word_embeddings else weights["lm_head.weight"])
         self.layers: list[Layer] = [family.layer(weights, i, config) for i in range(config.num_layers)]
@@ -57,6 +58,7 @@ class DecoderModel(torch.nn.Module):
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed)
+        meta = ops.plan(meta, kv_caches[0][0], cfg.num_heads, hidden.dtype)
         if cfg.embedding_scale != 1.0:
             hidden = hidden * self.embedding_scale
         residual = None

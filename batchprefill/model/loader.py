@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from batchprefill.errors import JobError
-from batchprefill.kernels.ops import Ops, TorchOps
+from batchprefill.kernels.interface import Ops
+from batchprefill.kernels.torch_ops import TorchOps
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.families import read_config
@@ -96,26 +97,27 @@ def make_ops(backend: str, device: torch.device) -> Ops:
     raise JobError(f"engine.attention_backend={backend!r}: choose auto, torch or triton")
 
 
-@dataclass
-class LoadedModel:
-    model: DecoderModel
-    folder: Path
-    identity: str
-    dtype: torch.dtype
-
-
 def read_model_config(folder: Path) -> ModelConfig:
-    """The folder's config, or a one-line JobError (an unsupported architecture names those supported)."""
+    """The folder's config, parsed by its family; an unsupported architecture (the line names those supported)
+    or a broken config is a job-level fault."""
     try:
         return read_config(folder)
     except (ValueError, KeyError) as error:
         raise JobError(f"model {folder}: {error}") from None
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: Ops) -> LoadedModel:
-    config = read_model_config(folder)
+@dataclass
+class LoadedModel:
+    model: DecoderModel
+    identity: str
+
+
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: Ops,
+               config: ModelConfig | None = None, identity: str | None = None) -> LoadedModel:
+    """The model on `device`; a job passes the config and identity it already read while preparing."""
+    config = config or read_model_config(folder)
     try:
         model = DecoderModel(config, load_weights(folder, dtype, device), ops)
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise JobError(f"model {folder}: {error}") from None
-    return LoadedModel(model, folder, model_identity(folder), dtype)
+    return LoadedModel(model, identity or model_identity(folder))

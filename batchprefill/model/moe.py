@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from batchprefill.kernels.experts import ExpertWeights
+from batchprefill.kernels.interface import Ops
 from batchprefill.kernels.linear import Linear
-from batchprefill.kernels.ops import Ops
 from batchprefill.model.config import ModelConfig
 
 

@@ -15,17 +15,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from batchprefill.kernels.interface import Ops
 from batchprefill.kernels.linear import Linear
-from batchprefill.kernels.ops import Ops
 from batchprefill.model.config import ModelConfig
 
 Weights = dict[str, torch.Tensor]
 MLP = Callable[[torch.Tensor, Ops], torch.Tensor]
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' names (ACT2FN)
     "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
 
 

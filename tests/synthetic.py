@@ -6,7 +6,8 @@ from itertools import accumulate
 
 import torch
 
-from batchprefill.kernels.ops import AttentionMetadata
+from batchprefill.intmath import cdiv
+from batchprefill.kernels.interface import AttentionMetadata
 
 SPARE_BLOCKS = 3  # pool blocks no sequence owns, so a wrong table lookup reads foreign data
 
@@ -20,7 +21,7 @@ def random_paged_batch(
     Blocks are handed out in a random permutation, so tables are never in pool order; each table has one
     padded column past the longest sequence.
     """
-    needed = [-(-(context + q_len) // block_size) for context, q_len in specs]
+    needed = [cdiv(context + q_len, block_size) for context, q_len in specs]
     num_blocks = sum(needed) + SPARE_BLOCKS
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
     tables = torch.zeros(len(specs), max(needed) + 1, dtype=torch.int32)

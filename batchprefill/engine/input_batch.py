@@ -1,0 +1,115 @@
+"""Per-request state that persists across steps, one row per running request (vLLM v1's persistent batch).
+
+A step changes only a few rows: a newly admitted request gets a row and its sampling settings, a decode
+appends a block every `block_size` tokens, a finished or preempted request gives its row back. So a step's
+metadata (positions, cache slots, block tables, sampling vectors) is gathered from these arrays with a
+handful of vectorized numpy operations instead of being rebuilt from Python lists, one request at a time.
+Measured on benchmarks/host_overhead.py (256 decodes per step): see BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from batchprefill.engine.request import Request
+from batchprefill.engine.sampler import SamplingBatch, request_key
+from batchprefill.engine.step import Step
+from batchprefill.intmath import cdiv
+
+
+@dataclass
+class StepInputs:
+    """One step's flat batch on the host, ready to go to the device."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start: np.ndarray  # [S+1] int32
+    seq_lens: np.ndarray  # [S] int32
+    block_tables: np.ndarray  # [S, width] int32
+    logits_rows: np.ndarray  # [R] int64: the flat-batch row of each sequence that samples this step
+    sampled: np.ndarray  # [R] int64: which chunks of the step those are
+    sampling: SamplingBatch  # their sampling settings, one entry per logits row
+
+    @property
+    def is_decode_only(self) -> bool:
+        return len(self.input_ids) == len(self.seq_lens) == len(self.sampled)
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int):
+        self.block_size = block_size
+        self.block_table = np.zeros((max_num_seqs, cdiv(max_model_len, block_size) + 1), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.temperature = np.zeros(max_num_seqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_seqs, dtype=np.int32)
+        self.top_p = np.ones(max_num_seqs, dtype=np.float32)
+        self.keys = np.zeros(max_num_seqs, dtype=np.uint64)
+        self.num_outputs = np.zeros(max_num_seqs, dtype=np.int64)
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    def release(self, request: Request) -> None:
+        """A finished or preempted request gives its row back."""
+        if request.batch_row >= 0:
+            self.free_rows.append(request.batch_row)
+            request.batch_row = -1
+
+    def _admit(self, request: Request) -> int:
+        row = request.batch_row = self.free_rows.pop()
+        params = request.sampling
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.keys[row] = request_key(params.seed, request.request_id, request.sample_index)
+        self.num_outputs[row] = len(request.output_token_ids)
+        self.num_blocks[row] = 0
+        return row
+
+    def _sync_blocks(self, request: Request, row: int) -> None:
+        """Copy in the blocks the scheduler appended since the last step."""
+        have = int(self.num_blocks[row])
+        table = request.block_table
+        self.block_table[row, have : len(table)] = table[have:]
+        self.num_blocks[row] = len(table)
+
+    def prepare(self, step: Step) -> StepInputs:
+        """The step's flat batch: one pass over its chunks in Python, the rest vectorized."""
+        rows, starts, counts, ids = [], [], [], []
+        for chunk in step.chunks:
+            request = chunk.request
+            row = request.batch_row if request.batch_row >= 0 else self._admit(request)
+            if len(request.block_table) != self.num_blocks[row]:
+                self._sync_blocks(request, row)
+            start, count = request.num_computed_tokens, chunk.num_tokens
+            if count == 1 and request.output_token_ids and start == request.num_tokens - 1:
+                ids.append(request.output_token_ids[-1])  # a decode: the token sampled last step
+            else:
+                ids.extend(request.tokens(start, start + count))
+            rows.append(row)
+            starts.append(start)
+            counts.append(count)
+        rows_a = np.array(rows, dtype=np.int64)
+        starts_a = np.array(starts, dtype=np.int64)
+        counts_a = np.array(counts, dtype=np.int64)
+        query_start = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts_a, out=query_start[1:])
+        token_rows = np.repeat(rows_a, counts_a)
+        positions = np.arange(query_start[-1], dtype=np.int64) - np.repeat(query_start[:-1] - starts_a, counts_a)
+        size = self.block_size
+        slots = self.block_table[token_rows, positions // size].astype(np.int64) * size + positions % size
+        seq_lens = starts_a + counts_a
+        width = int(self.num_blocks[rows_a].max())
+        num_tokens = np.fromiter((c.request.num_tokens for c in step.chunks), np.int64, len(rows))
+        sampled = np.flatnonzero(seq_lens == num_tokens)
+        sampled_rows = rows_a[sampled]
+        sampling = SamplingBatch(self.temperature[sampled_rows], self.top_k[sampled_rows], self.top_p[sampled_rows],
+                                 self.keys[sampled_rows], self.num_outputs[sampled_rows])
+        self.num_outputs[sampled_rows] += 1
+        return StepInputs(
+            input_ids=np.array(ids, dtype=np.int64), positions=positions, slot_mapping=slots,
+            query_start=query_start.astype(np.int32), seq_lens=seq_lens.astype(np.int32),
+            block_tables=self.block_table[rows_a, :width], logits_rows=query_start[1:][sampled] - 1,
+            sampled=sampled, sampling=sampling,
+        )

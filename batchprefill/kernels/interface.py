@@ -1,0 +1,94 @@
+"""What every compute backend provides to the model, and the per-step metadata it reads.
+
+Every backend implements the same functions with the same tensor layouts, so the model never knows which
+one runs. The torch backend (`torch_ops.py`) is both the CPU path and the reference the Triton kernels
+(`triton_ops.py`) are tested against.
+
+Layouts:
+- flat batch: all query tokens of a step in one dimension `T` (prefill chunks and decodes mixed);
+- KV cache of one layer: `[num_blocks, block_size, num_kv_heads, head_dim]`, one tensor for K, one for V;
+- a token's cache slot is `block_id * block_size + offset_in_block`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import torch
+
+from batchprefill.kernels.experts import ExpertWeights
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's queries sit in the flat batch and where its KV lives in the pool."""
+
+    query_start: torch.Tensor  # [S+1] int32: sequence s owns queries query_start[s]:query_start[s+1]
+    seq_lens: torch.Tensor  # [S] int32: context length after this step (cached + new tokens)
+    block_tables: torch.Tensor  # [S, max_blocks] int32: physical block ids, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of every new token
+    query_lens_host: list[int]  # host copies, so no backend has to sync the device to loop
+    seq_lens_host: list[int]
+    plan: Any = None  # the backend's plan for this step (`Ops.plan`), built once and read by every layer
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens_host)
+
+    def with_plan(self, plan: Any) -> AttentionMetadata:
+        return replace(self, plan=plan)
+
+
+class Ops(Protocol):
+    """What a compute backend provides to the model."""
+
+    graph_safe_decode: bool  # a decode-only step launches fixed grids with no host sync: CUDA graphs can replay it
+
+    def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
+             ) -> AttentionMetadata:
+        """`meta` with this backend's per-step plan attached: whatever host-side layout its attention needs,
+        built once before the first layer instead of once per layer."""
+
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write key/value `[T, Hkv, D]` into the paged caches at `slot_mapping` `[T]`."""
+
+    def attention(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        scale: float, window: int | None = None,
+    ) -> torch.Tensor:
+        """Causal paged attention for a flat batch: query `[T, Hq, D]` -> `[T, Hq, D]`.
+
+        Query j of sequence s sits at absolute position `p = seq_len - query_len + j` and attends to every
+        cached position up to and including its own; with a sliding `window`, only to positions above
+        `p - window`. Hq is a multiple of Hkv (GQA).
+        """
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm with the residual add fused in: returns (norm(x + residual) * weight, x + residual).
+
+        With no residual, the second value is x itself.
+        """
+
+    def rope(
+        self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half RoPE on query `[T, Hq, D]` and key `[T, Hkv, D]`.
+
+        `cos_sin` is `[max_positions, D]`: the first D/2 columns are cos, the last D/2 sin.
+        """
+
+    def moe(
+        self, hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Mixture-of-experts MLP `[T, H]` -> `[T, H]`: each token's `topk_ids` `[T, K]` experts, weighted by
+        `topk_weights` `[T, K]` (float32) and summed."""

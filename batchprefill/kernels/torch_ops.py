@@ -1,0 +1,167 @@
+"""`TorchOps`: the `Ops` interface in plain torch, the CPU path and the reference for the kernels.
+
+On the CPU, a step's decodes and short chunks go through shared-prefix group attention (`prefix_groups.py`):
+a few fused calls for the whole step, each group's shared blocks read once. Chunks too long for its dense
+mask run one fused call each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchprefill.intmath import cdiv
+from batchprefill.kernels.decode_groups import DecodePlan, decode_attention, plan_decodes
+from batchprefill.kernels.experts import torch_experts
+from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.kernels.prefix_groups import GroupBatch, batch_groups, find_groups, group_attention, pad_batch
+
+# Chunks with at most this many query-key pairs go through group attention: at that size a fused call is
+# mostly fixed overhead, so batching pays. Longer chunks are real work and run alone, where the kernel can
+# skip what a causal chunk does not see (a dense mask costs 4 bytes per pair and head group, and is scanned).
+GROUPED_MAX_PAIRS = 1 << 16
+
+
+# A chunk with this many queries or more, after a cached prefix, attends to the prefix and to itself in two
+# fused calls merged by log-sum-exp: the causal half then skips what its queries cannot see, where one call
+# under a mask computes the whole square (1.2-1.5x at 768-2048 queries; below that, no gain).
+SPLIT_CAUSAL_QUERIES = 768
+
+
+def _cached_then_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int,
+                        scale: float) -> torch.Tensor:
+    """Attention of a chunk `[1, Hq, Q, D]` over `cached` earlier keys and itself (causal), on the CPU."""
+    repeat = q.shape[1] // keys.shape[1]  # the fused CPU kernel wants as many KV heads as query heads
+    keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    prefix_out, prefix_lse = flash(q, keys[:, :, :cached], values[:, :, :cached], 0.0, False, scale=scale)
+    chunk_out, chunk_lse = flash(q, keys[:, :, cached:], values[:, :, cached:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(prefix_lse, chunk_lse)
+    return prefix_out * torch.exp(prefix_lse - lse)[..., None] + chunk_out * torch.exp(chunk_lse - lse)[..., None]
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    """A step's attention layout on the torch path: its decodes, its batches of grouped short chunks, and the
+    chunks that run alone."""
+
+    decodes: DecodePlan | None
+    batches: list[GroupBatch]
+    alone: list[int]  # chunks too long for group attention
+
+
+class TorchOps:
+    """Plain torch ops: the CPU path and the reference for the kernels."""
+
+    graph_safe_decode = False  # its batched decode builds index tensors on the host
+
+    def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
+             ) -> AttentionMetadata:
+        """Group the step's sequences once for all layers: decodes by the prefix they share (decode_groups.py),
+        short chunks into padded group batches (prefix_groups.py), long chunks alone."""
+        block, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        lens, tables = meta.query_lens_host, meta.block_tables.tolist()
+        decodes = [s for s, n in enumerate(lens) if n == 1]
+        pairs = [n * seq_len for n, seq_len in zip(lens, meta.seq_lens_host)]
+        chunks = [s for s, n in enumerate(lens) if n > 1 and pairs[s] <= GROUPED_MAX_PAIRS]
+        alone = [s for s, n in enumerate(lens) if n > 1 and pairs[s] > GROUPED_MAX_PAIRS]
+        batches = [pad_batch(batch, meta, block, num_q_heads // num_kv_heads, dtype, k_cache.device)
+                   for batch in batch_groups(find_groups(meta, chunks, tables, block), meta)]
+        return meta.with_plan(TorchPlan(plan_decodes(meta, decodes, tables, block, dtype, k_cache.device),
+                                        batches, alone))
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        if bool((slot_mapping < 0).any()):  # only padded batches skip rows: avoid masking the common case
+            keep = slot_mapping >= 0
+            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+    def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                  window: int | None = None) -> torch.Tensor:
+        """A few fused calls for the whole step: decodes, then batches of short chunks; chunks too long for a
+        dense mask run one fused call each. A sliding window that hides keys this step runs each sequence
+        alone over the keys its window holds (the group plans assume full attention)."""
+        if window is not None and window < max(meta.seq_lens_host, default=0):
+            out = torch.empty_like(query)
+            for s in range(meta.num_seqs):
+                self._one_windowed(query, k_cache, v_cache, meta, scale, s, out, window)
+            return out
+        if meta.plan is None:  # a caller outside the model (a test, a benchmark) planned nothing
+            meta = self.plan(meta, k_cache, query.shape[1], query.dtype)
+        out = torch.empty_like(query)
+        if meta.plan.decodes is not None:
+            decode_attention(query, k_cache, v_cache, scale, meta.plan.decodes, out)
+        for batch in meta.plan.batches:
+            group_attention(query, k_cache, v_cache, scale, batch, out)
+        for s in meta.plan.alone:
+            self._one_sequence(query, k_cache, v_cache, meta, scale, s, out)
+        return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, first_block: int = 0) -> torch.Tensor:
+        """One sequence's cached tokens from block `first_block` up to position `length`: `[tokens, Hkv, D]`."""
+        size = cache.shape[1]
+        blocks = cache.index_select(0, block_table[first_block : cdiv(length, size)].long()).flatten(0, 1)
+        return blocks[: length - first_block * size]
+
+    def _one_windowed(self, query, k_cache, v_cache, meta, scale, s, out, window: int) -> None:
+        """One sequence under a sliding window: the query at position p sees keys p - window + 1 .. p, and
+        blocks wholly left of every query's window are not even read."""
+        start, q_len, seq_len = int(meta.query_start[s]), meta.query_lens_host[s], meta.seq_lens_host[s]
+        first_block = max(0, seq_len - q_len - window + 1) // k_cache.shape[1]
+        keys = self._gather(k_cache, meta.block_tables[s], seq_len, first_block).to(query.dtype)
+        values = self._gather(v_cache, meta.block_tables[s], seq_len, first_block).to(query.dtype)
+        key_pos = torch.arange(first_block * k_cache.shape[1], seq_len, device=query.device)
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        offset = query_pos[:, None] - key_pos[None, :]
+        mask = (offset >= 0) & (offset < window)
+        q = query[start : start + q_len].transpose(0, 1)[None]
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        result = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = result[0].transpose(0, 1)
+
+    def _one_sequence(self, query, k_cache, v_cache, meta, scale, s, out) -> None:
+        start, q_len, seq_len = int(meta.query_start[s]), meta.query_lens_host[s], meta.seq_lens_host[s]
+        keys = self._gather(k_cache, meta.block_tables[s], seq_len).to(query.dtype)
+        values = self._gather(v_cache, meta.block_tables[s], seq_len).to(query.dtype)
+        # 4-D [1, H, L, D] inputs: with a batch dimension torch takes its fused CPU kernel, not the math path.
+        q = query[start : start + q_len].transpose(0, 1)[None]
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        if q_len == seq_len:  # nothing cached before the chunk: plain causal attention
+            result = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        elif q_len >= SPLIT_CAUSAL_QUERIES and q.device.type == "cpu":
+            result = _cached_then_causal(q, keys, values, seq_len - q_len, scale)
+        else:  # query j sits at position seq_len - q_len + j and sees keys 0..that position
+            key_pos = torch.arange(seq_len, device=query.device)
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            result = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = result[0].transpose(0, 1)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        inverse_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
+        return (x32 * inverse_rms).mul_(weight).to(x.dtype), x
+
+    def rope(self, query, key, positions, cos_sin):
+        table = cos_sin[positions]  # per call: layers may differ in their table (Gemma 3's two RoPE bases)
+        half = table.shape[-1] // 2
+        cos, sin = table[:, None, :half], table[:, None, half:]
+        cos, signed_sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+        return _rotate(query, cos, signed_sin), _rotate(key, cos, signed_sin)
+
+    def moe(self, hidden, experts, topk_weights, topk_ids):
+        return torch_experts(hidden, experts, topk_weights, topk_ids)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in three ops: x * cos + (x2, x1) * (-sin, sin)."""
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    swapped = torch.cat([x32[..., half:], x32[..., :half]], dim=-1)
+    return torch.addcmul(x32 * cos, swapped, signed_sin).to(x.dtype)

@@ -1,0 +1,49 @@
+"""Prepare a whole job up to the engine: find the model's config and tokenizer, and partition the input.
+
+The plan command and the run share this, so both see the same partitions, made once and reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchprefill.dataset import resolve_input
+from batchprefill.errors import JobError
+from batchprefill.model.config import ModelConfig
+from batchprefill.model.loader import model_identity, read_model_config, resolve_folder
+from batchprefill.model.tokenizer import PromptTokenizer
+from batchprefill.prepare import PARTITIONS_PER_SHARD, Manifest, PrepareSettings, prepare
+from batchprefill.settings import JobSettings
+
+
+@dataclass
+class Prepared:
+    """What the plan command and the run share: the model's folder, config, identity and tokenizer, and the
+    input's partitions."""
+
+    folder: Path
+    model_config: ModelConfig
+    identity: str  # model_identity(folder), read once per job
+    tokenizer: PromptTokenizer
+    manifest: Manifest
+    partitions_dir: Path
+
+
+def prepare_job(job: JobSettings) -> Prepared:
+    files, fmt = resolve_input(job.data.input, job.data.format)
+    folder = resolve_folder(job.model.path)
+    model_config = read_model_config(folder)
+    identity = model_identity(folder)
+    tokenizer = PromptTokenizer(folder)
+    if job.data.chat_template and tokenizer.chat_template is None:
+        raise JobError(f"data.chat_template=true but {folder} has no chat template")
+    prepare_settings = PrepareSettings(
+        columns=job.data.columns, chat_template=job.data.chat_template, order=job.data.order,
+        block_size=job.engine.block_size, max_prompt_tokens=model_config.max_positions - job.sampling.max_tokens,
+        tokenizer_id=identity, read_batch_rows=job.data.read_batch_rows, buffer_mb=job.data.buffer_mb,
+        min_partitions=PARTITIONS_PER_SHARD * job.data.sharding.num_shards,
+    )
+    partitions_dir = job.output.dir / "partitions"
+    manifest = prepare(files, fmt, prepare_settings, tokenizer, partitions_dir, job.output.progress)
+    return Prepared(folder, model_config, identity, tokenizer, manifest, partitions_dir)

@@ -1,0 +1,93 @@
+"""A job's statistics: running totals while it runs, then stats/{job,groups,steps}.parquet and the summary."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from batchprefill.engine.engine import Engine
+from batchprefill.engine.request import Request
+from batchprefill.order import Group
+from batchprefill.settings import Sharding
+from batchprefill.writer import write_records
+
+GROUP_SCHEMA = pa.schema([("group_id", pa.int64()), ("num_requests", pa.int64()),
+                          ("shared_prefix_tokens", pa.int64()), ("prompt_tokens", pa.int64()),
+                          ("cached_tokens", pa.int64()), ("computed_prompt_tokens", pa.int64())])
+
+
+@dataclass
+class JobTotals:
+    num_requests: int = 0
+    num_errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    group_rows: list[dict] = field(default_factory=list)
+
+    def add_error_row(self) -> None:
+        self.num_requests += 1
+        self.num_errors += 1
+
+    def add_finished(self, request: Request) -> None:
+        self.num_requests += 1
+        self.num_errors += request.error is not None
+        self.prompt_tokens += request.num_prompt_tokens
+        self.cached_tokens += request.num_cached_tokens or 0
+        self.output_tokens += len(request.output_token_ids)
+
+    def add_groups(self, part: int, run_groups: list[Group], requests: list[Request]) -> None:
+        """One stats/groups.parquet row per prefix group of a finished partition (ids unique across partitions)."""
+        for number, group in enumerate(run_groups):
+            members = requests[group.start : group.stop]
+            prompt = sum(r.num_prompt_tokens for r in members)
+            cached = sum(r.num_cached_tokens or 0 for r in members)
+            self.group_rows.append({
+                "group_id": (part << 32) | number, "num_requests": len(members),
+                "shared_prefix_tokens": group.shared_prefix_tokens, "prompt_tokens": prompt,
+                "cached_tokens": cached, "computed_prompt_tokens": prompt - cached})
+
+
+def job_row(totals: JobTotals, engine: Engine, wall: float) -> dict:
+    steps = engine.counters.steps
+    computed = totals.prompt_tokens - totals.cached_tokens
+    return {
+        "num_requests": totals.num_requests, "num_errors": totals.num_errors,
+        "prompt_tokens": totals.prompt_tokens, "cached_tokens": totals.cached_tokens,
+        "computed_prompt_tokens": computed, "output_tokens": totals.output_tokens, "wall_seconds": wall,
+        "prefill_tokens_per_second": computed / wall if wall else 0.0,
+        "output_tokens_per_second": totals.output_tokens / wall if wall else 0.0,
+        "cache_hit_rate": totals.cached_tokens / totals.prompt_tokens if totals.prompt_tokens else 0.0,
+        "evicted_blocks": engine.pool.evictions, "preemptions": engine.scheduler.preemptions,
+        "active_blocks": max((s.active_blocks for s in steps), default=0),
+        "reclaimable_blocks": max((s.reclaimable_blocks for s in steps), default=0),
+        "free_blocks": max((s.free_blocks for s in steps), default=engine.pool.num_blocks),
+    }
+
+
+def stats_dir(out: Path, sharding: Sharding) -> Path:
+    """One shard writes `stats/`; shards of a larger job each write their own, which the merge combines."""
+    if sharding.num_shards == 1:
+        return out / "stats"
+    return out / "stats" / f"shard-{sharding.shard_index:04d}-of-{sharding.num_shards:04d}"
+
+
+def write_stats(folder: Path, totals: JobTotals, engine: Engine, job: dict) -> None:
+    write_records(totals.group_rows, folder / "groups.parquet", GROUP_SCHEMA)
+    write_records([job], folder / "job.parquet")
+    write_records([asdict(s) for s in engine.counters.steps], folder / "steps.parquet")
+
+
+def print_summary(job: dict, out: Path) -> None:
+    print(
+        f"batchprefill: {job['num_requests']} requests ({job['num_errors']} errors) in {job['wall_seconds']:.1f} s. "
+        f"Of {job['prompt_tokens']} prompt tokens, {job['cached_tokens']} came from the prefix cache "
+        f"({job['cache_hit_rate']:.1%}) and {job['computed_prompt_tokens']} were computed "
+        f"({job['prefill_tokens_per_second']:.0f} tokens/s); {job['output_tokens']} tokens were generated "
+        f"({job['output_tokens_per_second']:.1f} tokens/s). {job['evicted_blocks']} blocks were evicted and "
+        f"{job['preemptions']} requests preempted. Results and statistics are in {out}.",
+        file=sys.stderr,
+    )
