@@ -32,6 +32,7 @@ if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is fir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu_e2e  # noqa: E402
+import gpu_moe  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -413,6 +414,9 @@ def main() -> None:
         if decode:
             print_table(f"decode attention (CUDA graph replay, grid planned for {plan.graph_max_positions} "
                         "positions as the engine's graphs are; GB/s counts K and V bytes read)", decode)
+    moe = section("moe", lambda: gpu_moe.run(args.smoke, device, lambda fn, _, graph=False: timer(fn, graph=graph)))
+    if moe:
+        print_table("fused MoE against the per-expert torch loop (bf16)", moe)
     timer.flush = None  # 256 MiB back before the end-to-end run
     end_to_end = section("end_to_end", lambda: gpu_e2e.run(args.smoke, device))
     section("goals", lambda: judge_goals(results.get("prefill") or [], results.get("decode") or [], end_to_end))

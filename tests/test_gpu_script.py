@@ -15,7 +15,8 @@ def test_gpu_benchmark_smoke_mode_runs_every_section(tmp_path):
     done = run_cli(["python", str(REPO / "benchmarks" / "gpu.py"), "--smoke", "--out", str(out)])
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
-    assert {"prefill", "decode", "goals", "end_to_end", "ceilings", "checks"} <= set(results)
+    assert {"prefill", "decode", "goals", "end_to_end", "ceilings", "checks", "moe"} <= set(results)
+    assert [(row["tokens"], row["max_error"] < 2e-2) for row in results["moe"]] == [(1, True), (9, True)]
     assert results["errors"] == {} and results["check_failures"] == []
     assert "padded decode vs unpadded forward" in {c["check"] for c in results["checks"]}
     runs = results["end_to_end"]["runs"]

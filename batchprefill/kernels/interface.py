@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
+from batchprefill.kernels.experts import ExpertWeights
+
 
 @dataclass
 class AttentionMetadata:
@@ -84,3 +86,9 @@ class Ops(Protocol):
 
         `cos_sin` is `[max_positions, D]`: the first D/2 columns are cos, the last D/2 sin.
         """
+
+    def moe(
+        self, hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Mixture-of-experts MLP `[T, H]` -> `[T, H]`: each token's `topk_ids` `[T, K]` experts, weighted by
+        `topk_weights` `[T, K]` (float32) and summed."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from batchprefill.intmath import cdiv
 from batchprefill.kernels.decode_groups import DecodePlan, decode_attention, plan_decodes
+from batchprefill.kernels.experts import torch_experts
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.prefix_groups import GroupBatch, batch_groups, find_groups, group_attention, pad_batch
 
@@ -153,6 +154,9 @@ class TorchOps:
         cos, sin = table[:, None, :half], table[:, None, half:]
         cos, signed_sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
         return _rotate(query, cos, signed_sin), _rotate(key, cos, signed_sin)
+
+    def moe(self, hidden, experts, topk_weights, topk_ids):
+        return torch_experts(hidden, experts, topk_weights, topk_ids)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 import triton
 
 from batchprefill.kernels import triton_elementwise
+from batchprefill.kernels.experts import ExpertWeights
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.triton_attention import (
     MAX_SEGMENTS,
@@ -17,6 +18,7 @@ from batchprefill.kernels.triton_attention import (
     interpreting,
     prefill_attention,
 )
+from batchprefill.kernels.triton_moe import fused_experts
 
 ALIGN = 4  # int32 entries: the decode rows start 16 bytes aligned inside the step's plan tensor
 
@@ -71,6 +73,10 @@ class TritonOps:
     def rope(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         return triton_elementwise.rope(query, key, positions, cos_sin)
+
+    def moe(self, hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+            ) -> torch.Tensor:
+        return fused_experts(hidden, experts, topk_weights, topk_ids)
 
     def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:

@@ -68,7 +68,7 @@ class DecoderModel(torch.nn.Module):
             if layer.post_attention_norm is not None:
                 hidden, _ = ops.rms_norm(hidden, layer.post_attention_norm, eps)
             normed, residual = ops.rms_norm(hidden, layer.pre_mlp_norm, eps, residual)
-            hidden = layer.mlp(normed)
+            hidden = layer.mlp(normed, ops)
             if layer.post_mlp_norm is not None:
                 hidden, _ = ops.rms_norm(hidden, layer.post_mlp_norm, eps)
         last = hidden[logits_rows] + residual[logits_rows]

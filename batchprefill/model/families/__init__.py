@@ -9,10 +9,11 @@ import json
 from pathlib import Path
 
 from batchprefill.model.config import ModelConfig
-from batchprefill.model.families import gemma3, llama, mistral, phi3, qwen3
+from batchprefill.model.families import gemma3, llama, mistral, mixtral, phi3, qwen3, qwen3_moe
 from batchprefill.model.families.base import Family
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, mistral.FAMILY, gemma3.FAMILY, phi3.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, mistral.FAMILY, gemma3.FAMILY, phi3.FAMILY,
+                                qwen3_moe.FAMILY, mixtral.FAMILY)
 ARCHITECTURES: dict[str, Family] = {arch: family for family in FAMILIES for arch in family.architectures}
 
 

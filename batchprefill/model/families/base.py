@@ -3,8 +3,8 @@
 The decoder (`batchprefill/model/decoder.py`) runs one Llama-shaped skeleton for every family; a family
 file says only how its `config.json` and weight names map onto that skeleton. The builders here are
 Llama's; a family reuses them and replaces the part that differs (fused projections, extra norms, an MLP
-kind). An MLP is any callable from `[T, hidden]` to `[T, hidden]`, so a new kind (mixture of experts) is
-a class here or in its family file, not an edit to the decoder.
+kind). An MLP is any callable from `[T, hidden]` and the compute backend to `[T, hidden]`, so a new kind
+(mixture of experts, whose experts run in a backend kernel) is a class, not an edit to the decoder.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from batchprefill.kernels.interface import Ops
 from batchprefill.kernels.linear import Linear
 from batchprefill.model.config import ModelConfig
 
 Weights = dict[str, torch.Tensor]
-MLP = Callable[[torch.Tensor], torch.Tensor]
+MLP = Callable[[torch.Tensor, Ops], torch.Tensor]
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' names (ACT2FN)
     "silu": F.silu,
@@ -54,7 +55,8 @@ class GatedMLP:
         self.down = down
         self.activation = ACTIVATIONS[activation]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """`ops` goes unused: plain linear layers need no backend kernel."""
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(self.activation(gate) * up)
 
