@@ -177,7 +177,8 @@ class IdReport:
         if self.first_repeat is not None:
             value, row, first = self.first_repeat
             shown = repr(value) if len(repr(value)) <= SHOWN_CHARS else repr(value)[:SHOWN_CHARS] + "..."
-            problems.append(f"{self.repeated_rows} {_rows(self.repeated_rows)} repeat an earlier row's id "
+            verb = "repeats" if self.repeated_rows == 1 else "repeat"
+            problems.append(f"{self.repeated_rows} {_rows(self.repeated_rows)} {verb} an earlier row's id "
                             f"({self.repeated_ids} distinct {'id' if self.repeated_ids == 1 else 'ids'}; first: "
                             f"{shown} at row {row}, also at row {first})")
         if self.first_null is not None:
