@@ -45,6 +45,9 @@ def reported_errors(command: str, log_dir: Path | None = None) -> Iterator[None]
     """
     try:
         yield
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, as a shell reports it
     except JobError as error:
         print(f"{command}: error: {one_line(str(error))}", file=sys.stderr)
         sys.exit(error.exit_status)
