@@ -1,31 +1,128 @@
-"""What every console script shares: the Hydra configuration and one-line errors for job-level faults."""
+"""What every console script shares: the Hydra configuration, and errors that end a command in one line.
+
+A job-level fault (JobError) prints what to fix. Any other exception is a bug: it prints one line naming the
+log file that holds its full traceback, so a user never reads a raw stack and a developer never loses one.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
-from collections.abc import Callable
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from batchprefill.errors import JobError
 from batchprefill.settings import JobSettings
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")
+# sysexits' EX_SOFTWARE: a bug, told apart from a fault the user fixes (JobError, 2) and an incomplete merge (1).
+BUG_EXIT_STATUS = 70
+SHOWN_CHARS = 300  # of an unexpected error's message on the one line; the log holds all of it
+
+
+def one_line(text: str) -> str:
+    """A message as the single stderr line a command may print (pyarrow and Hydra messages span lines)."""
+    return " ".join(text.split())
+
+
+@contextmanager
+def reported_errors(command: str, log_dir: Path | None = None) -> Iterator[None]:
+    """Ends the command with one stderr line for any exception: a JobError with its own message and exit status,
+    anything else with the path of a log holding its traceback (in `log_dir`, else the temp folder) and exit 70.
+
+    Any entry point can wrap its body in this, Hydra app or not (a `batchprefill-eval` on lm-eval's parser).
+    """
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, as a shell reports it
+    except JobError as error:
+        print(f"{command}: error: {one_line(str(error))}", file=sys.stderr)
+        sys.exit(error.exit_status)
+    except Exception as error:  # noqa: BLE001 - the one place every unforeseen error is turned into a report
+        log = _write_traceback(command, log_dir)
+        summary = one_line(f"{type(error).__name__}: {error}")[:SHOWN_CHARS]
+        print(f"{command}: error: unexpected {summary}; this is a bug, the full traceback is in {log}",
+              file=sys.stderr)
+        sys.exit(BUG_EXIT_STATUS)
+
+
+def _write_traceback(command: str, log_dir: Path | None) -> Path:
+    """The current exception's traceback in a new file: in `log_dir` when it can be written, else in /tmp."""
+    text = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(sys.argv)}\n\n{traceback.format_exc()}"
+    for folder in ([log_dir] if log_dir else []) + [Path(tempfile.gettempdir())]:
+        try:
+            handle, name = tempfile.mkstemp(prefix=f"{command}-error-", suffix=".log", dir=folder)
+        except OSError:
+            continue
+        with os.fdopen(handle, "w") as log:
+            log.write(text)
+        return Path(name)
+    raise RuntimeError(f"no folder to write the traceback to:\n{text}")
+
+
+def check_output_dir(path: Path) -> None:
+    """`output.dir` can be created and written: found before anything runs, not after hours of tokenizing."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as error:
+        raise JobError(f"output.dir={path} cannot be {'written' if path.is_dir() else 'created'}: "
+                       f"{unwritable_reason(path, error)}; choose a folder you can write") from error
+
+
+def unwritable_reason(path: Path, error: OSError) -> str:
+    """Why `path` cannot be made or written, in words: a file in the way, else the system's reason."""
+    for ancestor in (path, *path.parents):
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                return f"{ancestor} is a file, not a folder"
+            break
+    return error.strerror or str(error)
 
 
 def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[], None]:
     """A Hydra entry point on conf/config.yaml: the config is parsed once into JobSettings, which the task gets;
-    a JobError ends it with one line on stderr and its exit status."""
+    any error ends it in one line (see `reported_errors`).
+
+    Hydra's own errors (a bad override, an output.dir it cannot make its run folder in) come before the task:
+    with HYDRA_FULL_ERROR set, Hydra raises them here instead of printing a stack, and they become JobErrors.
+    """
 
     @functools.wraps(task)
     def run(cfg: DictConfig) -> None:
-        try:
-            task(JobSettings.from_config(cfg))
-        except JobError as error:
-            print(f"{command}: error: {error}", file=sys.stderr)
-            sys.exit(error.exit_status)
+        with reported_errors(command, Path(HydraConfig.get().runtime.output_dir)):
+            job = JobSettings.from_config(cfg)
+            check_output_dir(job.output.dir)
+            task(job)
 
-    return hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(run)
+    hydra_main = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(run)
+
+    def main() -> None:
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+        with reported_errors(command):
+            try:
+                hydra_main()
+            except (HydraException, OmegaConfBaseException) as error:
+                cause = error.__cause__
+                detail = f" {cause}" if isinstance(cause, OmegaConfBaseException) else ""
+                raise JobError(f"{error}{detail}") from error
+            except OSError as error:  # Hydra writes its run folder (hydra.run.dir) under output.dir
+                path = Path(error.filename or ".")
+                raise JobError(f"{path} cannot be created or written: {unwritable_reason(path, error)}; choose an "
+                               "output.dir you can write (Hydra's run folder, hydra.run.dir, is under it)") from error
+
+    return main

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
+from batchprefill.dataset import read_parquet
 from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.kv_cache import pool_blocks
@@ -30,6 +30,7 @@ from batchprefill.stats import JobTotals, job_row, print_summary, stats_dir, wri
 from batchprefill.writer import Outcome, ResultWriter, done_ids, write_records
 
 SIGTERM_EXIT_STATUS = 143
+PARTITION_REMEDY = "delete output.dir/partitions and rerun: the job prepares them again and resumes"
 
 
 class Interrupted(Exception):
@@ -184,7 +185,7 @@ def _drive(engine: Engine, requests: Iterator[tuple[PartitionRun, Request]], wri
 def load_partition(data: DataSettings, block_size: int, params: SamplingParams, prepared: Prepared, part: int,
                    skip: set) -> PartitionRun:
     """Read one partition, drop rows already done, order the rest and turn them into requests."""
-    table = pq.read_table(partition_path(prepared.partitions_dir, part))
+    table = read_parquet(partition_path(prepared.partitions_dir, part), None, PARTITION_REMEDY)
     if skip:
         table = table.filter(pa.array([i not in skip for i in table[data.columns.id].to_pylist()]))
     order = run_order(table[TOKENS], table[NAMESPACE], table[ROW], table[ERROR], data.order)

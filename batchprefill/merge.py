@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchprefill.cli import hydra_app
+from batchprefill.dataset import read_parquet
 from batchprefill.errors import JobError
 from batchprefill.model.loader import resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
@@ -49,6 +49,7 @@ PEAKS = ("active_blocks", "reclaimable_blocks", "free_blocks", "wall_seconds", "
 SHARD_DIR = re.compile(r"shard-(\d+)-of-(\d+)")
 PART_NAME = re.compile(r"part-(\d+)-")  # results/part-<shard>-<stamp>-<n>.parquet
 SHOWN = 5  # ids named in the one-line report
+STATS_REMEDY = "rerun that shard with the same output.dir: a finished shard rewrites its statistics"
 
 
 class Incomplete(JobError):
@@ -71,7 +72,10 @@ def read_inputs(partitions_dir: Path, id_column: str) -> Inputs:
     if not manifest_file.exists():
         raise JobError(f"{partitions_dir} holds no prepared partitions: pass the output.dir that batchprefill-run "
                        "wrote to")
-    manifest = json.loads(manifest_file.read_text())
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except (OSError, ValueError) as error:
+        raise JobError(f"{manifest_file} cannot be read ({error}): rerun the job into a fresh output.dir") from error
     ids: list = []
     partition_of: dict = {}
     for index, rows in enumerate(manifest["partition_rows"]):
@@ -80,7 +84,8 @@ def read_inputs(partitions_dir: Path, id_column: str) -> Inputs:
         path = partition_path(partitions_dir, index)
         if not path.exists():
             raise JobError(f"{path} is missing: rerun the job into a fresh output.dir")
-        part_ids = pq.read_table(path, columns=[id_column])[id_column].to_pylist()
+        remedy = f"delete {partitions_dir} and rerun the job into the same output.dir: it prepares them again, resumes"
+        part_ids = read_parquet(path, [id_column], remedy)[id_column].to_pylist()
         ids.extend(part_ids)
         partition_of.update(dict.fromkeys(part_ids, index))
     return Inputs(ids, partition_of, manifest["partition_tokens"])
@@ -88,8 +93,14 @@ def read_inputs(partitions_dir: Path, id_column: str) -> Inputs:
 
 def read_results(results_dir: Path, id_column: str) -> dict[str, list]:
     """Ids per committed part; staging files (`.part-*.tmp`) of a killed writer are not parts."""
-    return {part.name: pq.read_table(part, columns=[id_column])[id_column].to_pylist()
+    return {part.name: read_parquet(part, [id_column], _results_remedy(part.name))[id_column].to_pylist()
             for part in sorted(results_dir.glob("part-*.parquet"))}
+
+
+def _results_remedy(name: str) -> str:
+    match = PART_NAME.match(name)
+    shard = f"shard {int(match.group(1))}" if match else "the shard that wrote it"
+    return f"delete the part and rerun {shard} with the same output.dir: its rows run again"
 
 
 def check_complete(inputs: Inputs, parts: dict[str, list], num_shards: int, results_dir: Path) -> int:
@@ -157,11 +168,13 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
 
 def merge_stats(stats: Path, folders: list[Path]) -> dict:
     shard_numbers = [int(SHARD_DIR.fullmatch(f.name).group(1)) for f in folders]
-    job = combine_jobs([pq.read_table(f / "job.parquet").to_pylist()[0] for f in folders])
-    groups = _concat([pq.read_table(f / "groups.parquet") for f in folders if (f / "groups.parquet").exists()])
+    job = combine_jobs([read_parquet(f / "job.parquet", None, STATS_REMEDY).to_pylist()[0] for f in folders])
+    groups = _concat([read_parquet(f / "groups.parquet", None, STATS_REMEDY) for f in folders
+                      if (f / "groups.parquet").exists()])
     steps = []
     for number, folder in zip(shard_numbers, folders):
-        table = pq.read_table(folder / "steps.parquet") if (folder / "steps.parquet").exists() else pa.table({})
+        steps_file = folder / "steps.parquet"
+        table = read_parquet(steps_file, None, STATS_REMEDY) if steps_file.exists() else pa.table({})
         if table.num_columns:
             table = table.append_column("shard", pa.array([number] * table.num_rows, pa.int32()))
         steps.append(table)

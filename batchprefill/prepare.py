@@ -34,6 +34,7 @@ from tqdm import tqdm
 from batchprefill.dataset import Columns, check_columns, open_dataset, record_batches
 from batchprefill.errors import JobError
 from batchprefill.model.tokenizer import PromptTokenizer
+from batchprefill.unique_ids import check_unique_ids
 
 ROW, TOKENS, ERROR, NAMESPACE = "_bp_row", "_bp_tokens", "_bp_error", "_bp_namespace"
 INTERNAL = (ROW, TOKENS, ERROR, NAMESPACE)
@@ -46,6 +47,9 @@ RUN_EXPANSION = 5
 PARTITION_TARGET_BYTES = 64 << 20
 SPILL_BUFFER_SHARE = 8  # rows waiting for their partition file hold at most data.buffer_mb / 8 in all
 PARTITIONS_PER_SHARD = 4  # the least a sharded job asks for, so whole partitions can balance its shards
+# The ids are checked in a pass of their own that reads only their column (a fraction of the input's bytes),
+# so a repeated or null id fails the job before any prompt is tokenized.
+ID_READ_ROWS = 1 << 16  # 1 << 20 let pyarrow's scanner read ahead to 800 MB on 50M string ids; this, 130 MB
 ENCODE_ROWS = 1024  # rows per tokenizer call: enough to keep every core busy, few enough to bound its output
 
 PARTITION_SCHEMA = pa.schema([("partition", pa.int64()), ("rows", pa.int64()), ("prompt_tokens", pa.int64()),
@@ -140,6 +144,9 @@ def _spill(files, fmt, settings: PrepareSettings, tokenizer, staging: Path, fing
     num_rows = dataset.count_rows()
     if num_rows == 0:
         raise JobError("the input has no rows")
+    if settings.columns.id in dataset.schema.names:  # when absent, the row's position is its id: unique by itself
+        ids = record_batches(dataset, ID_READ_ROWS, [settings.columns.id])
+        check_unique_ids((batch.column(0) for batch in ids), settings.columns.id, staging / "ids", num_rows)
     tables = _tokenized_tables(dataset, settings, tokenizer)
     first = next(tables)
     growth = first.nbytes / max(first.select(dataset.schema.names).nbytes, 1)  # what tokenizing adds

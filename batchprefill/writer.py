@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchprefill.dataset import read_parquet
 from batchprefill.prepare import INTERNAL
 
 if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn
@@ -55,7 +56,8 @@ def done_ids(results_dir: Path, id_column: str) -> set:
     """Ids already committed by earlier runs into this output folder."""
     ids: set = set()
     for part in sorted(results_dir.glob("part-*.parquet")):
-        ids.update(pq.read_table(part, columns=[id_column])[id_column].to_pylist())
+        remedy = "delete the part and rerun: its rows run again"
+        ids.update(read_parquet(part, [id_column], remedy)[id_column].to_pylist())
     return ids
 
 

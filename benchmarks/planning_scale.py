@@ -126,11 +126,11 @@ def plan(path: Path, out: Path, shards: int, buffer_mb: int) -> dict:
             "shard_imbalance": max(loads) / (sum(loads) / shards) - 1}
 
 
-def measure(args: list[str]) -> tuple[float, float, float, dict]:
-    """Wall seconds, CPU seconds, peak RSS in MB and the result of one worker subprocess (os.wait4: this child
-    alone). CPU seconds say more than wall seconds on a machine other work shares."""
+def measure(args: list[str], script: str = __file__) -> tuple[float, float, float, dict]:
+    """Wall seconds, CPU seconds, peak RSS in MB and the result of one worker subprocess of `script` (os.wait4:
+    this child alone). CPU seconds say more than wall seconds on a machine other work shares."""
     started = time.perf_counter()
-    child = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE, text=True)
     output = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - started
