@@ -25,6 +25,7 @@ from batchprefill.cli import hydra_app
 from batchprefill.order import groups, reusable_tokens, run_order, shared_with_previous
 from batchprefill.prepare import ERROR, NAMESPACE, ROW, TOKENS, partition_path
 from batchprefill.settings import JobSettings
+from batchprefill.units import readable_bytes
 from batchprefill.writer import save_png, write_records
 
 if TYPE_CHECKING:  # pulls in torch, which the entry point loads only after Hydra parsed the command line
@@ -214,7 +215,7 @@ def print_report(row: dict, link_gbps: float, out: Path) -> None:
         f"prefix groups, the largest of {row['largest_group']} requests\n"
         f"  prompt tokens to compute: {computed:,} with prefix reuse vs {without:,} without ({ratio})\n"
         f"  prefill FLOPs: {with_flops:.3g} with reuse vs {without_flops:.3g} without ({saved:.1%} saved)\n"
-        f"  KV cache: {row['kv_bytes_per_token']:,} bytes per token, {row['kv_bytes_total'] / 2**20:,.1f} MiB "
+        f"  KV cache: {row['kv_bytes_per_token']:,} bytes per token, {readable_bytes(row['kv_bytes_total'])} "
         f"for all prompts\n"
         f"  mean KV transfer per request at {link_gbps:g} Gb/s: {row['kv_transfer_seconds_mean'] * 1e3:.3f} ms\n"
         f"  wrote {out / 'plan.parquet'} and {out / 'plan.png'}"

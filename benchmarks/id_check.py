@@ -85,12 +85,12 @@ def main() -> None:
     print(f"{args.rows:,} prompts ({data.stat().st_size / 2**20:.0f} MB of Parquet)")
     print("| pass | wall s | CPU s | peak MB |\n|---|---:|---:|---:|")
     for worker in ("ids", "decode", "tokenize"):
-        wall, cpu, _, result = measure(["--worker", worker, "--input", str(data)], __file__)
+        wall, cpu, _, result = measure([__file__, "--worker", worker, "--input", str(data)])
         print(f"| {worker} | {wall:.1f} | {cpu:.1f} | {result['peak_mb']:.0f} |", flush=True)
     print("\n| string ids | Parquet MB | wall s | CPU s | peak MB |\n|---:|---:|---:|---:|---:|")
     for rows in args.id_rows:
         path = string_ids(args.dir / f"ids-{rows}.parquet", rows)
-        wall, cpu, _, result = measure(["--worker", "ids", "--input", str(path)], __file__)
+        wall, cpu, _, result = measure([__file__, "--worker", "ids", "--input", str(path)])
         print(f"| {rows:,} | {path.stat().st_size / 2**20:.0f} | {wall:.1f} | {cpu:.1f} | {result['peak_mb']:.0f} |",
               flush=True)
 

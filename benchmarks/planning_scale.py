@@ -1,14 +1,19 @@
-"""Planning at scale: read, tokenize, partition, order and shard-plan N synthetic prompts, without the model.
+"""Planning at scale: `batchprefill-plan`, and `batchprefill-run` up to its first step, against tokenizing alone.
 
-    python benchmarks/planning_scale.py                    # 100k, 300k and 1M rows (about 40 minutes on 2 cores)
-    python benchmarks/planning_scale.py --rows 100000      # one quick point
+    python benchmarks/planning_scale.py                    # 200k and 1M rows
+    python benchmarks/planning_scale.py --rows 200000      # one point
 
-For each row count it runs two fresh subprocesses on the same Parquet file, so that each peak RSS is its own:
-`tokenize` streams the prompt column in record batches through `encode_batch` and discards the ids (the
-floor: no planning can be faster), and `plan` does what `batchprefill-plan` and the start of
-`batchprefill-run` do: `prepare_job` (read, tokenize, error rows, spill into partitions), shard assignment
-for `--shards` shards, then every partition read back and put in prefix order with its groups and reusable
-tokens. The ratio plan / tokenize is the cost of ordering and sharding around tokenization.
+For each row count it runs fresh subprocesses on the same Parquet file, each timed as a whole process (wall
+seconds, CPU seconds and peak RSS of that child alone, from os.wait4):
+- `tokenize`, the floor: the prompt column read with pyarrow in 4,096-row batches and put through the
+  `tokenizers` library's `encode_batch`, keeping nothing. No preparation can be faster.
+- `plan`: `python -m batchprefill.plan` on the file: read, tokenize, error rows, spill into partitions, then
+  every partition of every shard ordered and tallied, the report and the figure.
+- `load`: loading the model as `batchprefill-run` does (torch imported, weights read and prepacked).
+- `first step`: `python -m batchprefill.run` on the file, stopped as its engine enters its first step, so it
+  counts start-up, preparation (into a fresh output folder), model loading and the engine's set-up, with
+  its KV pool fixed by --kv-cache-tokens so that the set-up does not follow the machine's free memory.
+Goals (issue 16): plan wall <= 1.3 x tokenize wall; first step wall <= 1.3 x (tokenize + load) wall.
 
 The dataset is deterministic (seeded) and written in chunks, so generating it is bounded in memory too:
 a few hundred system prompts, each with its own documents, each followed by one of many questions, drawn
@@ -34,7 +39,7 @@ import pyarrow.parquet as pq
 SYSTEMS, DOCS_PER_SYSTEM, QUESTIONS = 300, 40, 5000
 SYSTEM_WORDS, DOC_WORDS, QUESTION_WORDS = (30, 90), (50, 330), (5, 45)  # mean 60 + 190 + 25 = 275 tokens
 CHUNK_ROWS = 65_536
-READ_BATCH_ROWS = 8192
+TOKENIZE_BATCH_ROWS = 4096  # the floor's batches, as the issue measured it
 
 
 def _tokenizer():
@@ -79,100 +84,121 @@ def generate(path: Path, rows: int, seed: int = 0) -> Path:
     return path
 
 
-def tokenize_only(path: Path) -> dict:
-    """The floor: stream the prompts with batchprefill's reader, tokenize them in batches, keep nothing."""
-    from batchprefill.dataset import open_dataset, record_batches
+def tokenize_only(path: Path, folder: Path) -> dict:
+    """The floor: the prompt column in 4,096-row batches through `encode_batch`; only pyarrow and tokenizers."""
+    from tokenizers import Tokenizer
 
-    tokenizer = _tokenizer()
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tokens = 0
-    for batch in record_batches(open_dataset([path], "parquet"), READ_BATCH_ROWS, ["prompt"]):
-        tokens += sum(map(len, tokenizer.encode_batch(batch.column(0).to_pylist())))
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=TOKENIZE_BATCH_ROWS, columns=["prompt"]):
+        encodings = tokenizer.encode_batch(batch.column(0).to_pylist(), add_special_tokens=False)
+        tokens += sum(len(encoding.ids) for encoding in encodings)
     return {"tokens": tokens}
 
 
-def plan(path: Path, out: Path, shards: int, buffer_mb: int) -> dict:
-    """`prepare_job`, the shard plan, and every partition in prefix order: the job up to the engine."""
-    import pyarrow.compute as pc
-    from hydra import compose, initialize_config_dir
+def load_only(folder: Path) -> dict:
+    """Model loading as `run_job` does it, on the device and in the dtype a run would pick."""
+    from batchprefill.model.loader import load_model, make_ops, resolve_device, resolve_dtype
 
-    from batchprefill.cli import CONFIG_DIR
-    from batchprefill.order import assign_shards, groups, prefix_order, reusable_tokens
-    from batchprefill.preparation import prepare_job
-    from batchprefill.prepare import ERROR, NAMESPACE, TOKENS, partition_path
-    from batchprefill.settings import JobSettings
-
-    overrides = [f"data.input={path}", f"output.dir={out}", f"data.num_shards={shards}", "data.shard_index=0",
-                 f"data.buffer_mb={buffer_mb}", "output.progress=false"]
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    job = JobSettings.from_config(cfg)
-    prepared = prepare_job(job)
-    prepared_at = time.perf_counter()
-    manifest = prepared.manifest
-    assignment = assign_shards(manifest.partition_tokens, shards)
-    block_size = job.engine.block_size
-    num_groups = reused = largest = 0
-    for part in range(manifest.num_partitions):
-        table = pq.read_table(partition_path(prepared.partitions_dir, part))
-        table = table.filter(pc.is_null(table[ERROR]))
-        largest = max(largest, table.nbytes)
-        ordered = table.take(prefix_order(table[TOKENS], table[NAMESPACE]))
-        num_groups += len(groups(ordered[TOKENS], ordered[NAMESPACE], block_size))
-        reused += sum(reusable_tokens(ordered[TOKENS], ordered[NAMESPACE], block_size))
-    loads = [sum(manifest.partition_tokens[p] for p in shard) for shard in assignment]
-    return {"order_s": time.perf_counter() - prepared_at,
-            "partitions": manifest.num_partitions, "largest_partition_mb": largest / 2**20,
-            "tokens": sum(manifest.partition_tokens), "groups": num_groups, "reusable_tokens": reused,
-            "shard_imbalance": max(loads) / (sum(loads) / shards) - 1}
+    device = resolve_device("auto")
+    load_model(folder, resolve_dtype("auto", device), device, make_ops("auto", device))
+    return {}
 
 
-def measure(args: list[str], script: str = __file__) -> tuple[float, float, float, dict]:
-    """Wall seconds, CPU seconds, peak RSS in MB and the result of one worker subprocess of `script` (os.wait4:
-    this child alone). CPU seconds say more than wall seconds on a machine other work shares."""
+def until_first_step(overrides: list[str]) -> None:
+    """`batchprefill-run` as a user starts it, ended the moment its engine enters its first step."""
+    from batchprefill.engine.engine import Engine
+    from batchprefill.run import main as run
+
+    def stop(engine: Engine) -> None:
+        print(json.dumps({}), flush=True)
+        os._exit(0)
+
+    Engine.step = stop
+    sys.argv = ["batchprefill-run", *overrides]
+    run()
+    raise SystemExit("the run ended without a step")
+
+
+def measure(args: list[str]) -> tuple[float, float, float, dict]:
+    """Wall seconds, CPU seconds, peak RSS in MB and the last stdout line's JSON (if any) of one subprocess
+    (os.wait4: this child alone). CPU seconds say more than wall seconds on a machine other work shares."""
     started = time.perf_counter()
-    child = subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True)
     output = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - started
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode:
-        raise SystemExit(f"worker {args[:2]} failed with {child.returncode}")
+        raise SystemExit(f"{args[:3]} failed with {child.returncode}")
     cpu = usage.ru_utime + usage.ru_stime
-    return wall, cpu, usage.ru_maxrss / 1024, json.loads(output.strip().splitlines()[-1])
+    lines = output.strip().splitlines()
+    result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+    return wall, cpu, usage.ru_maxrss / 1024, result
+
+
+def _partitions(out: Path, shards: int) -> dict:
+    """The partitions the plan wrote: how many, the largest, and how evenly whole partitions fill the shards."""
+    from batchprefill.order import assign_shards
+
+    manifest = json.loads((out / "partitions" / "manifest.json").read_text())
+    loads = [sum(manifest["partition_tokens"][p] for p in shard)
+             for shard in assign_shards(manifest["partition_tokens"], shards)]
+    return {"partitions": len(manifest["partition_rows"]), "largest_mb": max(manifest["partition_bytes"]) / 2**20,
+            "tokens": sum(manifest["partition_tokens"]), "imbalance": max(loads) / (sum(loads) / shards) - 1}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 300_000, 1_000_000])
-    parser.add_argument("--shards", type=int, default=8)
-    parser.add_argument("--buffer-mb", type=int, default=1024, help="data.buffer_mb of the plan runs")
+    parser.add_argument("--rows", type=int, nargs="+", default=[200_000, 1_000_000])
+    parser.add_argument("--shards", type=int, default=8, help="data.num_shards: at least 4 partitions per shard")
+    parser.add_argument("--buffer-mb", type=int, default=1024, help="data.buffer_mb of the plan and the run")
+    parser.add_argument("--kv-cache-tokens", type=int, default=65_536, help="engine.kv_cache_tokens of the run")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bp-planning"))
-    parser.add_argument("--worker", choices=["tokenize", "plan"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["tokenize", "load", "first-step"], help=argparse.SUPPRESS)
     parser.add_argument("--input", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    args, overrides = parser.parse_known_args()
     if args.worker == "tokenize":
-        print(json.dumps(tokenize_only(args.input)))
+        print(json.dumps(tokenize_only(args.input, args.model)))
         return
-    if args.worker == "plan":
-        print(json.dumps(plan(args.input, args.dir, args.shards, args.buffer_mb)))
+    if args.worker == "load":
+        print(json.dumps(load_only(args.model)))
         return
-    print(f"{os.cpu_count()} CPUs, {args.shards} shards, data.buffer_mb={args.buffer_mb}")
-    print("| rows | tokens | tokenize wall s | tokenize CPU s | tokenize peak MB | plan wall s | plan CPU s "
-          "| plan peak MB | plan/tokenize wall | plan/tokenize CPU | order s | partitions | largest partition MB "
-          "| shard imbalance |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    if args.worker == "first-step":
+        until_first_step(overrides)
+        return
+    from batchprefill.model.loader import resolve_folder
+
+    model = resolve_folder(None)  # converted once, here, so no child pays for it
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, {args.shards} shards, "
+          f"data.buffer_mb={args.buffer_mb}")
+    print("| rows | tokens | tokenize wall s | tokenize CPU s | plan wall s | plan CPU s | plan peak MB "
+          "| plan/tokenize wall | plan/tokenize CPU | load wall s | first step wall s | first step peak MB "
+          "| first step/(tokenize+load) wall | partitions | largest partition MB | shard imbalance |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in args.rows:
         data = generate(args.dir / f"prompts-{rows}.parquet", rows)
-        token_wall, token_cpu, token_mb, _ = measure(["--worker", "tokenize", "--input", str(data)])
+        job = [f"data.input={data}", f"data.num_shards={args.shards}", "data.shard_index=0",
+               f"data.buffer_mb={args.buffer_mb}", "output.progress=false"]
+        token_wall, token_cpu, _, floor = measure([__file__, "--worker", "tokenize", "--input", str(data),
+                                                   "--model", str(model)])
         out = args.dir / f"out-{rows}"
         shutil.rmtree(out, ignore_errors=True)
-        plan_wall, plan_cpu, plan_mb, result = measure(["--worker", "plan", "--input", str(data), "--dir", str(out),
-                                              "--shards", str(args.shards), "--buffer-mb", str(args.buffer_mb)])
-        shutil.rmtree(out, ignore_errors=True)
-        print(f"| {rows:,} | {result['tokens']:,} | {token_wall:.0f} | {token_cpu:.0f} | {token_mb:.0f} "
-              f"| {plan_wall:.0f} | {plan_cpu:.0f} | {plan_mb:.0f} | {plan_wall / token_wall:.2f} "
-              f"| {plan_cpu / token_cpu:.2f} | {result['order_s']:.1f} | {result['partitions']} "
-              f"| {result['largest_partition_mb']:.0f} | {result['shard_imbalance']:.1%} |", flush=True)
+        plan_wall, plan_cpu, plan_mb, _ = measure(["-m", "batchprefill.plan", *job, f"output.dir={out}"])
+        parts = _partitions(out, args.shards)
+        if parts["tokens"] != floor["tokens"]:
+            raise SystemExit(f"the plan counted {parts['tokens']} tokens, the floor {floor['tokens']}")
+        shutil.rmtree(out)
+        load_wall, _, _, _ = measure([__file__, "--worker", "load", "--model", str(model)])
+        step_wall, _, step_mb, _ = measure([__file__, "--worker", "first-step", *job, f"output.dir={out}",
+                                            f"engine.kv_cache_tokens={args.kv_cache_tokens}"])
+        shutil.rmtree(out)
+        print(f"| {rows:,} | {floor['tokens']:,} | {token_wall:.1f} | {token_cpu:.1f} | {plan_wall:.1f} "
+              f"| {plan_cpu:.1f} | {plan_mb:.0f} | {plan_wall / token_wall:.2f} | {plan_cpu / token_cpu:.2f} "
+              f"| {load_wall:.1f} | {step_wall:.1f} | {step_mb:.0f} | {step_wall / (token_wall + load_wall):.2f} "
+              f"| {parts['partitions']} | {parts['largest_mb']:.0f} | {parts['imbalance']:.1%} |", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":

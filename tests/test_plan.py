@@ -15,7 +15,9 @@ import pytest
 
 from batchprefill.model.config import kv_bytes_per_token
 from batchprefill.model.families import read_config
-from batchprefill.plan import PLAN_SCHEMA, attention_pairs, prefill_flops, transfer_seconds
+from batchprefill.plan import PLAN_SCHEMA, Tally, attention_pairs, prefill_flops, print_report, transfer_seconds
+from batchprefill.prepare import ERROR, NAMESPACE, ROW, TOKENS
+from batchprefill.units import readable_bytes
 from tests.conftest import run_cli
 
 BLOCK = 16
@@ -51,6 +53,48 @@ def test_attention_pairs_with_and_without_a_cached_prefix() -> None:
 def test_prefill_flops_adds_linear_and_attention_terms() -> None:
     assert prefill_flops(10, 1000, 2, 4, 8, 55) == 2 * 10 * 1000 + 4 * 2 * 4 * 55 * 8
     assert prefill_flops(0, 1000, 2, 4, 8, 0) == 0
+
+
+def test_sizes_read_in_the_largest_unit_they_fill() -> None:
+    assert [readable_bytes(n) for n in (0, 1023, 1024, 1536, 46_080, 5 * 2**20, 2**30 - 2**19)] == [
+        "0 B", "1,023 B", "1.00 KiB", "1.50 KiB", "45.0 KiB", "5.00 MiB", "1.00 GiB"]
+    assert readable_bytes(2_280_201_597_747) == "2.07 TiB"  # the issue's "2,174,569.7 MiB"
+    assert readable_bytes(10**15) == "909 TiB"  # no unit past TiB
+
+
+def test_the_report_prints_a_2_tb_kv_cache_in_tib(capsys, tmp_path) -> None:
+    row = {"requests": 10, "error_rows": 0, "groups": 2, "largest_group": 6, "ideal_computed_tokens": 50,
+           "computed_tokens_without_reuse": 100, "prefill_flops_with_reuse": 1e12, "prefill_flops_without_reuse": 2e12,
+           "kv_bytes_per_token": 46_080, "kv_bytes_total": 2_280_201_597_747, "kv_transfer_seconds_mean": 1e-3}
+    print_report(row, 100.0, tmp_path)
+    assert "46,080 bytes per token, 2.07 TiB for all prompts" in capsys.readouterr().out
+
+
+def _partition() -> pa.Table:
+    """Five rows, block size 2: [1,2,3,4], [7,7], [1,2,3,5], an error row and [1,2,9]."""
+    return pa.table({ROW: [0, 1, 2, 3, 4],
+                     TOKENS: pa.array([[1, 2, 3, 4], [7, 7], [1, 2, 3, 5], [], [1, 2, 9]], pa.list_(pa.int32())),
+                     ERROR: [None, None, None, "prompt is null", None], NAMESPACE: [""] * 5})
+
+
+def test_a_partition_in_prefix_order_reuses_4_of_13_tokens_in_a_group_of_3() -> None:
+    """Prefix order [1,2,3,4] [1,2,3,5] [1,2,9] [7,7]: the middle two reuse the block [1,2] (2 tokens each), so
+    9 tokens are computed; attention pairs 10 + (2*2 + 3) + (1*2 + 1) + 3 = 23 with reuse, 10+10+6+3 = 29 without.
+    The first three share one full block with a neighbour, [7,7] none."""
+    tally = Tally()
+    tally.add_partition(_partition(), "prefix", 2)
+    assert (tally.requests, tally.error_rows, tally.prompt_tokens, tally.computed_tokens) == (4, 1, 13, 9)
+    assert (tally.pairs_with_reuse, tally.pairs_without_reuse) == (23, 29)
+    assert tally.group_sizes == {3: 1, 1: 1} and tally.depths == {1: 3, 0: 1}
+
+
+def test_the_same_partition_in_input_order_reuses_only_the_last_rows_2_tokens() -> None:
+    """Input order [1,2,3,4] [7,7] [1,2,3,5] [1,2,9]: only [1,2,9] follows a prompt it shares [1,2] with, so
+    11 tokens are computed and 10 + 3 + 10 + (1*2 + 1) = 26 pairs scored."""
+    tally = Tally()
+    tally.add_partition(_partition(), "input", 2)
+    assert (tally.requests, tally.prompt_tokens, tally.computed_tokens, tally.pairs_with_reuse) == (4, 13, 11, 26)
+    assert tally.group_sizes == {1: 2, 2: 1} and tally.depths == {1: 3, 0: 1}
 
 
 def _prompts() -> list[str]:

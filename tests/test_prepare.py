@@ -6,7 +6,10 @@ Timing and peak memory belong to benchmarks/planning_scale.py, not here.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import tempfile
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,13 +19,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from batchprefill import prepare as prepare_module
 from batchprefill.dataset import Columns
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.order import Group, assign_shards, groups, prefix_order, reusable_tokens
 from batchprefill.prepare import (
     ERROR,
     NAMESPACE,
+    PARTITION_TARGET_BYTES,
     ROW,
+    RUN_EXPANSION,
     TOKENS,
     PrepareSettings,
     partition_path,
@@ -52,9 +58,9 @@ def _settings(min_partitions: int = 5, order: str = "prefix", namespace: str | N
                            tokenizer_id="words", read_batch_rows=7, buffer_mb=1, min_partitions=min_partitions)
 
 
-def _write(path: Path, prompts: list, namespaces: list[str]) -> Path:
+def _write(path: Path, prompts: list, namespaces: list[str], row_group_rows: int | None = None) -> Path:
     pq.write_table(pa.table({"id": list(range(len(prompts))), "prompt": pa.array(prompts, pa.string()),
-                             "ns": namespaces}), path)
+                             "ns": namespaces}), path, row_group_size=row_group_rows)
     return path
 
 
@@ -217,3 +223,91 @@ def test_namespaces_come_from_the_namespace_column(words, tmp_path):
     _, tables = _prepare(words, _write(tmp_path / "in2.parquet", prompts, ["a"] * 6), tmp_path / "q",
                          namespace=None)
     assert {n for t in tables for n in t[NAMESPACE].to_pylist()} == {""}
+
+
+def _varied_prompts(count: int, words: int) -> list[str]:
+    """`count` prompts of `words` words each, no two alike in their first block."""
+    return [" ".join(f"w{(i >> (3 * k)) % VOCAB}" for k in range(words)) for i in range(count)]
+
+
+def test_one_and_three_tokenizing_threads_make_the_same_partitions_row_for_row(words, tmp_path):
+    prompts = [f"w{i % 5} w{i % 3} w{i % 7} w1" if i % 11 else None for i in range(400)]
+    source = _write(tmp_path / "in.parquet", prompts, [("", "a")[i % 2] for i in range(400)])
+    one = prepare([source], "parquet", _settings(), words, tmp_path / "one", progress=False, workers=1)
+    three = prepare([source], "parquet", _settings(), words, tmp_path / "three", progress=False, workers=3)
+    assert one == three and one.num_partitions == 5  # 400 rows in 58 batches of 7
+    for part in range(5):
+        assert pq.read_table(partition_path(tmp_path / "one", part)).equals(
+            pq.read_table(partition_path(tmp_path / "three", part)))
+
+
+class _FailingTokenizer(PromptTokenizer):
+    """The word tokenizer, except that its third call raises, as a tokenizer bug or a bad input would."""
+
+    def __init__(self, words: PromptTokenizer):
+        self.__dict__.update(words.__dict__)
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        with self.lock:
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("tokenizer broke on batch 3")
+        return super().encode_batch(texts)
+
+
+def test_an_exception_in_a_tokenizing_thread_is_raised_by_prepare_and_leaves_no_partitions(words, tmp_path):
+    source = _write(tmp_path / "in.parquet", ["w1 w2 w3"] * 200, [""] * 200)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            prepare([source], "parquet", _settings(), _FailingTokenizer(words), tmp_path / "p", progress=False,
+                    workers=2)
+        except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+            raised.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "prepare hung after its tokenizer raised"
+    assert [str(error) for error in raised] == ["tokenizer broke on batch 3"]
+    assert not (tmp_path / "p").exists()  # no manifest: a rerun prepares from the start
+    assert prepare([source], "parquet", _settings(), words, tmp_path / "p", progress=False).num_rows == 200
+
+
+def _prepared_from_one_read(words, source: Path, folder: Path, monkeypatch) -> prepare_module.Manifest:
+    reads = []
+    original = prepare_module.record_batches
+    monkeypatch.setattr(prepare_module, "record_batches", lambda *args: reads.append(1) or original(*args))
+    settings = dataclasses.replace(_settings(min_partitions=1), read_batch_rows=500)
+    manifest = prepare([source], "parquet", settings, words, folder, progress=False)
+    assert len(reads) == 1
+    return manifest
+
+
+def _needed_partitions(manifest: prepare_module.Manifest) -> int:
+    target = (1 << 20) / RUN_EXPANSION  # data.buffer_mb=1 aims below PARTITION_TARGET_BYTES
+    assert target < PARTITION_TARGET_BYTES
+    return math.ceil(sum(manifest.partition_bytes) / target)
+
+
+def test_a_head_of_short_prompts_still_gets_partitions_for_the_long_tail(words, tmp_path, monkeypatch):
+    """8,000 two-word rows, then 8,000 twelve-word ones, in row groups of 2,000: the first 500-row batch scaled
+    by rows suggests 4 partitions where 7 are needed; the footers' row-group sizes see the tail."""
+    prompts = _varied_prompts(8000, 2) + _varied_prompts(8000, MAX_TOKENS)
+    source = _write(tmp_path / "in.parquet", prompts, [""] * 16000, row_group_rows=2000)
+    manifest = _prepared_from_one_read(words, source, tmp_path / "p", monkeypatch)
+    needed = _needed_partitions(manifest)
+    assert needed == 7 and needed <= manifest.num_partitions <= 2 * needed
+
+
+def test_a_tail_that_parquet_shrinks_by_its_dictionary_still_gets_partitions(words, tmp_path, monkeypatch):
+    """8,000 distinct twelve-word rows, then one twelve-word prompt 8,000 times: Parquet stores the tail in a
+    few bytes, Arrow in full, so the footers suggest 6 partitions where 10 are needed; the rows' count sees it."""
+    prompts = _varied_prompts(8000, MAX_TOKENS) + ["w1 " * (MAX_TOKENS - 1) + "w2"] * 8000
+    source = _write(tmp_path / "in.parquet", prompts, [""] * 16000, row_group_rows=2000)
+    manifest = _prepared_from_one_read(words, source, tmp_path / "p", monkeypatch)
+    needed = _needed_partitions(manifest)
+    assert needed == 10 and needed <= manifest.num_partitions <= 2 * needed
