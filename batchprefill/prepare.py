@@ -39,6 +39,7 @@ from tqdm import tqdm
 from batchprefill.dataset import Columns, check_columns, open_dataset, record_batches
 from batchprefill.errors import JobError
 from batchprefill.model.tokenizer import PromptTokenizer
+from batchprefill.openai_batch import OpenAIBatchFile
 from batchprefill.unique_ids import check_unique_ids
 from batchprefill.units import readable_bytes
 
@@ -208,7 +209,7 @@ def _tokenized_tables(dataset: pads.Dataset, settings: PrepareSettings, tokenize
                 future.cancel()
 
 
-def _expected_bytes(dataset: pads.Dataset, first: pa.Table, num_rows: int) -> float:
+def _expected_bytes(dataset: pads.Dataset | OpenAIBatchFile, first: pa.Table, num_rows: int) -> float:
     """The tokenized input's Arrow bytes, guessed from its first batch without reading the rest: scaled by rows,
     or by the share of the input's bytes that the Parquet footers put in those rows, whichever is larger.
 
@@ -221,9 +222,11 @@ def _expected_bytes(dataset: pads.Dataset, first: pa.Table, num_rows: int) -> fl
     return by_rows if share is None else max(by_rows, first.nbytes / share)
 
 
-def _parquet_share(dataset: pads.Dataset, rows: int) -> float | None:
+def _parquet_share(dataset: pads.Dataset | OpenAIBatchFile, rows: int) -> float | None:
     """The share of the input's uncompressed Parquet bytes in its first `rows` rows, from the row groups' sizes
     in the footers (rows within a row group taken as equal); None when the input is not all Parquet."""
+    if not isinstance(dataset, pads.Dataset):  # an OpenAI batch file streams JSONL: no footers
+        return None
     groups = []  # (rows, bytes) of every row group, in reading order
     for fragment in dataset.get_fragments():
         if not isinstance(fragment, pads.ParquetFileFragment):
