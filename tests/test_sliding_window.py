@@ -98,7 +98,7 @@ def test_triton_attention_under_a_window_matches_torch(case: str) -> None:
                                                        torch.float32, seed=7)
     ops = TritonOps(**settings)
     if case == "decode-split":
-        assert ops.decode_split(meta, kv_heads)[1] == 5
+        assert ops.decode_segments(meta, kv_heads) == 5
     got = ops.attention(query, k_cache, v_cache, meta, head_dim**-0.5, window)
     want = TorchOps().attention(query, k_cache, v_cache, meta, head_dim**-0.5, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
