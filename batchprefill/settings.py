@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from batchprefill import openai_batch
 from batchprefill.dataset import Columns
+from batchprefill.engine.constraint import GrammarError, job_constraint
 from batchprefill.engine.request import SamplingParams
 from batchprefill.errors import JobError
 
@@ -156,8 +157,17 @@ def _sampling(cfg: DictConfig) -> SamplingParams:
     _require(s.top_k == -1 or s.top_k >= 1, f"sampling.top_k={s.top_k}: must be -1 (off) or >= 1")
     stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
     _require(all(isinstance(x, str) and x for x in stop), "sampling.stop: give a list of non-empty strings")
+    n, logprobs = int(s.get("n", 1)), s.get("logprobs")
+    _require(n >= 1, f"sampling.n={n}: must be at least 1")
+    _require(logprobs is None or int(logprobs) >= 1, f"sampling.logprobs={logprobs}: must be null (off) or >= 1")
+    try:
+        constraint = job_constraint(s.get("json_schema"), s.get("regex"),
+                                    None if s.get("choice") is None else list(s.choice))
+    except GrammarError as error:
+        raise JobError(str(error)) from None
     return SamplingParams(max_tokens=int(s.max_tokens), temperature=float(s.temperature), top_p=float(s.top_p),
-                          top_k=int(s.top_k), seed=int(s.seed), stop=tuple(stop), ignore_eos=bool(s.ignore_eos))
+                          top_k=int(s.top_k), seed=int(s.seed), stop=tuple(stop), ignore_eos=bool(s.ignore_eos),
+                          n=n, logprobs=None if logprobs is None else int(logprobs), constraint=constraint)
 
 
 def _output(cfg: DictConfig) -> OutputSettings:

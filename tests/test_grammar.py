@@ -8,7 +8,8 @@ import jsonschema
 import pytest
 import torch
 
-from batchprefill.engine.grammar import Constraint, GrammarBatch, GrammarError, Grammars, job_constraint
+from batchprefill.engine.constraint import Constraint, GrammarError, job_constraint
+from batchprefill.engine.grammar import GrammarBatch, Grammars
 
 VOCAB, EOS = 49152, 2
 LABEL_SCHEMA = {

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from batchprefill.engine.constraint import Constraint
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -15,6 +17,9 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1  # samples per prompt, each its own request forked from the prompt's KV
+    logprobs: int | None = None  # None: off; k >= 0: each output token's logprob and the k most likely tokens'
+    constraint: Constraint | None = None  # what every output must match (structured outputs)
 
     @property
     def greedy(self) -> bool:
