@@ -175,3 +175,26 @@ def test_with_reservation_a_request_waits_until_its_outputs_fit_and_nothing_is_p
     assert scheduler.preemptions == 0 and len(old.block_table) == 0
     step = scheduler.schedule()
     assert [c.request for c in step.chunks] == [new]
+
+
+def test_keys_taken_from_a_neighbour_sharing_3_of_5_blocks_equal_keys_hashed_alone():
+    """A prompt's keys start from the previous prompt's where 3 of 80 tokens' 5 blocks match (one token differs
+    at index 50, in block 3); they must be exactly the keys a fresh scheduler hashes, and a prompt of another
+    namespace must take none of them."""
+    neighbour = Request(0, list(range(1, 81)), SamplingParams())
+    prompt = list(neighbour.prompt_token_ids)
+    prompt[50] = 9_999
+    together = make_scheduler()
+    run_to_completion(together, neighbour)
+    follower = Request(1, prompt, SamplingParams())
+    run_to_completion(together, follower)
+    alone = make_scheduler()
+    fresh = Request(1, list(prompt), SamplingParams())
+    run_to_completion(alone, fresh)
+    assert len(follower.block_hashes) == 5
+    assert follower.block_hashes == fresh.block_hashes
+    assert follower.block_hashes[:3] == neighbour.block_hashes[:3]
+    assert follower.block_hashes[3] != neighbour.block_hashes[3]
+    other = Request(3, list(prompt), SamplingParams(), namespace="tenant-b")
+    run_to_completion(together, other)
+    assert not set(other.block_hashes) & set(fresh.block_hashes)

@@ -9,7 +9,7 @@ from batchprefill.engine.decode_graphs import PaddedDecode
 from batchprefill.engine.input_batch import InputBatch, StepInputs
 from batchprefill.engine.kv_cache import allocate_kv_caches
 from batchprefill.engine.request import Request
-from batchprefill.engine.sampler import sample
+from batchprefill.engine.sampler import argmax_for, sample
 from batchprefill.engine.step import Step
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.model.decoder import DecoderModel
@@ -28,6 +28,7 @@ class ModelRunner:
             self.decoder = PaddedDecode(model, self.kv_caches, block_size, max_num_seqs, device,
                                         capture=padded_decode == "graphs")
         self._staging = torch.empty(0, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._argmax = argmax_for(device)
 
     def release(self, request: Request) -> None:
         self.batch.release(request)
@@ -51,7 +52,7 @@ class ModelRunner:
         return self.model(ids, positions, self.kv_caches, meta, rows)
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> np.ndarray:
-        return sample(logits, inputs.sampling)
+        return sample(logits, inputs.sampling, self._argmax)
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """The step's index arrays as int64 tensors on the device. On the CPU they are views of the arrays; on a
