@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import torch
 from tqdm import tqdm
@@ -21,7 +22,7 @@ from batchprefill.errors import JobError
 from batchprefill.malloc import keep_freed_memory
 from batchprefill.model.loader import load_model, make_ops, resolve_device, resolve_dtype
 from batchprefill.openai_results import write_results_jsonl
-from batchprefill.order import Group, assign_shards, groups, reusable_tokens, run_order
+from batchprefill.order import Group, assign_shards, groups, reusable_tokens, run_order, shared_with_previous
 from batchprefill.preparation import Prepared, prepare_job
 from batchprefill.prepare import ERROR, NAMESPACE, PARTITION_SCHEMA, ROW, TOKENS, partition_path, partition_records
 from batchprefill.run_figure import write_run_figure
@@ -193,10 +194,19 @@ def load_partition(data: DataSettings, block_size: int, params: SamplingParams, 
     rows = table[ROW].take(order).to_pylist()
     requests = [Request(row, ids, params, namespace)
                 for row, ids, namespace in zip(rows, token_ids.to_pylist(), namespaces.to_pylist())]
+    link_prefix_donors(requests, shared_with_previous(token_ids, namespaces, block_size))
     errors = [(i, message) for i, message in enumerate(table[ERROR].to_pylist()) if message is not None]
     return PartitionRun(part, table, errors, requests, groups(token_ids, namespaces, block_size),
                         dict(zip(rows, order.tolist())), len(requests),
                         sum(reusable_tokens(token_ids, namespaces, block_size)))
+
+
+def link_prefix_donors(requests: list[Request], shared_blocks: np.ndarray) -> None:
+    """Point each request at the one before it in run order when they share leading full blocks (the order
+    stage's count), so the scheduler copies those block keys instead of hashing the same tokens again."""
+    for previous, request, shared in zip(requests, requests[1:], shared_blocks[1:].tolist()):
+        if shared:
+            request.prefix_donor, request.donor_blocks = previous, shared
 
 
 def _record(run: PartitionRun, request: Request, writer: ResultWriter, totals: JobTotals) -> None:

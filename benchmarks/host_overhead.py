@@ -103,6 +103,16 @@ def measure() -> dict:
     config = EngineConfig(block_size=16, max_batched_tokens=2048, max_num_seqs=256, num_blocks=tokens // 16 + 512)
     engine = Engine(model, config, lambda ids: "", ("tiny",), torch.float32, torch.device("cpu"))
     requests = [Request(i, p, SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)) for i, p in enumerate(prompts)]
+    try:  # as a job does: the order stage's shared-block counts let neighbours share block keys
+        import pyarrow as pa
+
+        from batchprefill.job import link_prefix_donors
+        from batchprefill.order import shared_with_previous
+
+        link_prefix_donors(requests, shared_with_previous(pa.chunked_array([prompts]),
+                                                          pa.chunked_array([[""] * len(prompts)]), 16))
+    except ImportError:  # revisions before the link
+        pass
     start = time.perf_counter()
     finished = sum(1 for _ in engine.generate(requests))
     wall = time.perf_counter() - start

@@ -177,24 +177,33 @@ def test_with_reservation_a_request_waits_until_its_outputs_fit_and_nothing_is_p
     assert [c.request for c in step.chunks] == [new]
 
 
-def test_keys_taken_from_a_neighbour_sharing_3_of_5_blocks_equal_keys_hashed_alone():
-    """A prompt's keys start from the previous prompt's where 3 of 80 tokens' 5 blocks match (one token differs
-    at index 50, in block 3); they must be exactly the keys a fresh scheduler hashes, and a prompt of another
-    namespace must take none of them."""
-    neighbour = Request(0, list(range(1, 81)), SamplingParams())
-    prompt = list(neighbour.prompt_token_ids)
-    prompt[50] = 9_999
+def test_keys_copied_from_a_neighbour_sharing_3_of_5_blocks_equal_keys_hashed_alone():
+    """Two 80-token prompts (5 blocks of 16) that differ at token 50, in block 3: the order stage counts 3 shared
+    blocks, the follower copies its neighbour's first 3 keys and hashes the other 2, and ends with exactly the
+    keys a fresh scheduler hashes for it alone. A prompt of another namespace shares nothing."""
+    import pyarrow as pa
+
+    from batchprefill.job import link_prefix_donors
+    from batchprefill.order import shared_with_previous
+
+    neighbour_tokens = list(range(1, 81))
+    follower_tokens = list(neighbour_tokens)
+    follower_tokens[50] = 9_999
+    shared = shared_with_previous(pa.chunked_array([[neighbour_tokens, follower_tokens, follower_tokens]]),
+                                  pa.chunked_array([["", "", "tenant-b"]]), 16)
+    assert shared.tolist() == [0, 3, 0]
+    neighbour = Request(0, neighbour_tokens, SamplingParams())
+    follower = Request(1, follower_tokens, SamplingParams())
+    other = Request(2, list(follower_tokens), SamplingParams(), namespace="tenant-b")
+    link_prefix_donors([neighbour, follower, other], shared)
+    assert follower.prefix_donor is neighbour and other.prefix_donor is None
     together = make_scheduler()
-    run_to_completion(together, neighbour)
-    follower = Request(1, prompt, SamplingParams())
-    run_to_completion(together, follower)
+    for request in (neighbour, follower, other):
+        run_to_completion(together, request)
     alone = make_scheduler()
-    fresh = Request(1, list(prompt), SamplingParams())
+    fresh = Request(1, list(follower_tokens), SamplingParams())
     run_to_completion(alone, fresh)
-    assert len(follower.block_hashes) == 5
-    assert follower.block_hashes == fresh.block_hashes
+    assert follower.block_hashes == fresh.block_hashes and len(fresh.block_hashes) == 5
     assert follower.block_hashes[:3] == neighbour.block_hashes[:3]
     assert follower.block_hashes[3] != neighbour.block_hashes[3]
-    other = Request(3, list(prompt), SamplingParams(), namespace="tenant-b")
-    run_to_completion(together, other)
     assert not set(other.block_hashes) & set(fresh.block_hashes)

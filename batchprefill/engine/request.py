@@ -49,6 +49,11 @@ class Request:
     error: str | None = None
     sample_index: int = 0  # which of a prompt's samples this is: part of its random stream's key
     batch_row: int = -1  # its row in the model runner's persistent batch while it runs, else -1
+    # The request before it in run order when the order stage found their first `donor_blocks` full blocks
+    # equal (same tokens, same namespace): the scheduler then copies those block keys instead of hashing them.
+    # On benchmarks/host_overhead.py (1,500 shared tokens per prompt) hashing was most of the scheduler's time.
+    prefix_donor: Request | None = None
+    donor_blocks: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -38,7 +38,6 @@ class Scheduler:
         self.in_flight: dict[bytes, Request] = {}  # keys of blocks some request is computing right now
         self.preemptions = 0
         self._preempted: list[Request] = []  # this step's, handed out with it
-        self._last_keyed: Request | None = None  # the last request whose keys were started (see _inherit_keys)
         # Sums over the running requests, kept as they change so admission need not visit every running
         # request each step: their final block counts (prompt + max_tokens) and the blocks they hold.
         self._final_blocks = 0
@@ -55,29 +54,17 @@ class Scheduler:
         """The request's chained block keys, grown to at least its first `num_blocks` full blocks (the list
         itself, not a copy: callers index the span they need)."""
         keys, size = request.block_hashes, self.block_size
-        if not keys:
-            self._inherit_keys(request)
+        donor = request.prefix_donor
+        if donor is not None:  # the order stage found its leading blocks equal to its neighbour's: no rehashing
+            request.prefix_donor = None
+            if not keys:
+                keys.extend(donor.block_hashes[: request.donor_blocks])
         parent = keys[-1] if keys else self._root_key(request.namespace)
         while len(keys) < num_blocks:
             start = len(keys) * size
             parent = block_key(parent, request.tokens(start, start + size))
             keys.append(parent)
         return keys
-
-    def _inherit_keys(self, request: Request) -> None:
-        """Start a request's keys from those of the last request keyed before it, for the leading blocks whose
-        tokens are the same. A job runs prompts in prefix order, so neighbours share most of their blocks, and
-        comparing a block's 16 tokens costs a fraction of hashing them: on benchmarks/host_overhead.py (1,500
-        shared tokens per prompt, 16 admissions per step) this took hashing out of the scheduler's time."""
-        donor, self._last_keyed = self._last_keyed, request
-        if donor is None or donor.namespace != request.namespace:
-            return
-        size, theirs = self.block_size, donor.block_hashes
-        count = 0
-        while count < len(theirs) and request.tokens(count * size, (count + 1) * size) == donor.tokens(
-                count * size, (count + 1) * size):
-            count += 1
-        request.block_hashes.extend(theirs[:count])
 
     def _root_key(self, namespace: str) -> bytes:
         """Everything that changes KV for the same tokens: the model's scope, the cache namespace, the tenant."""
