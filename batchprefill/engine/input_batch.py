@@ -42,7 +42,7 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int):
         self.block_size = block_size
         self.block_table = np.zeros((max_num_seqs, cdiv(max_model_len, block_size) + 1), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_blocks = [0] * max_num_seqs  # blocks of each row's table copied in (a list: read per chunk)
         self.temperature = np.zeros(max_num_seqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_seqs, dtype=np.int32)
         self.top_p = np.ones(max_num_seqs, dtype=np.float32)
@@ -69,7 +69,7 @@ class InputBatch:
 
     def _sync_blocks(self, request: Request, row: int) -> None:
         """Copy in the blocks the scheduler appended since the last step."""
-        have = int(self.num_blocks[row])
+        have = self.num_blocks[row]
         table = request.block_table
         self.block_table[row, have : len(table)] = table[have:]
         self.num_blocks[row] = len(table)
@@ -91,6 +91,7 @@ class InputBatch:
             starts.append(start)
             counts.append(count)
         rows_a = np.array(rows, dtype=np.int64)
+        width = max(self.num_blocks[row] for row in rows)
         starts_a = np.array(starts, dtype=np.int64)
         counts_a = np.array(counts, dtype=np.int64)
         query_start = np.zeros(len(rows) + 1, dtype=np.int64)
@@ -100,7 +101,6 @@ class InputBatch:
         size = self.block_size
         slots = self.block_table[token_rows, positions // size].astype(np.int64) * size + positions % size
         seq_lens = starts_a + counts_a
-        width = int(self.num_blocks[rows_a].max())
         num_tokens = np.fromiter((c.request.num_tokens for c in step.chunks), np.int64, len(rows))
         sampled = np.flatnonzero(seq_lens == num_tokens)
         sampled_rows = rows_a[sampled]

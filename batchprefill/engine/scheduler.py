@@ -96,7 +96,8 @@ class Scheduler:
             budget -= 1
         num_decode = len(chunks)
 
-        for request in self.running:  # then prompts already part-way through
+        partway = self.running if num_decode < len(self.running) else ()  # a pure decode step skips this pass
+        for request in partway:  # then prompts already part-way through
             if budget == 0:
                 break
             if request.is_decoding or id(request) in scheduled:
