@@ -119,7 +119,8 @@ class Engine:
             chunks = step.chunks
             for index, token in zip(inputs.sampled.tolist(), tokens):
                 request = chunks[index].request
-                if self._append(request, token) or self._grammar_ends(request, token):
+                if self._append(request, token) or (self.structured is not None
+                                                    and self._grammar_ends(request, token)):
                     self.scheduler.finish(request)
                     self._release(request)
                     finished.append(request)
@@ -151,8 +152,6 @@ class Engine:
 
     def _grammar_ends(self, request: Request, token: int) -> bool:
         """A constrained request also ends when its grammar does (with sampling.ignore_eos) or rejects a token."""
-        if self.structured is None:
-            return False
         reason = self.structured.advance(request, token)
         return reason is not None and self._finish(request, reason, self.detokenize(request.output_token_ids))
 
