@@ -30,6 +30,8 @@ class Columns:
     namespace: str | None
     messages: str | None = None  # chat conversations (list of struct role, content); used before `prompt`
     read_error: str | None = None  # errors the reader found in a row (OpenAI batch lines): such rows never run
+    schema: str | None = None  # a per-row JSON Schema (string) the row's output must follow
+    sampling: tuple[str, ...] = ()  # per-request sampling columns (OpenAI batch bodies'; see request_params)
 
 
 def resolve_input(path: str | None, fmt: str) -> tuple[list[Path], str]:
@@ -150,9 +152,13 @@ def open_dataset(files: list[Path], fmt: str) -> pads.Dataset | OpenAIBatchFile:
 def check_columns(schema: pa.Schema, columns: Columns) -> None:
     names = set(schema.names)
     for key, name in (("prompt_column", columns.prompt), ("system_column", columns.system),
-                      ("namespace_column", columns.namespace), ("messages_column", columns.messages)):
+                      ("namespace_column", columns.namespace), ("messages_column", columns.messages),
+                      ("schema_column", columns.schema)):
         if name is not None and name not in names:
             raise JobError(f"data.{key}={name!r} is not a column of the input (columns: {', '.join(schema.names)})")
+    if columns.schema is not None and not pa.types.is_string(schema.field(columns.schema).type):
+        raise JobError(f"data.schema_column={columns.schema!r} is {schema.field(columns.schema).type}, not a string "
+                       "column: give each row's JSON Schema as JSON text")
 
 
 def record_batches(dataset: pads.Dataset, rows: int, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:

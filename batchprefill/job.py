@@ -10,14 +10,18 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
 from batchprefill.dataset import read_parquet
 from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.constraint import GrammarError
 from batchprefill.engine.engine import Engine
+from batchprefill.engine.grammar import Grammars
 from batchprefill.engine.kv_cache import pool_blocks
 from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.structured import StructuredStep
 from batchprefill.errors import JobError
 from batchprefill.malloc import keep_freed_memory
 from batchprefill.model.loader import load_model, make_ops, resolve_device, resolve_dtype
@@ -25,6 +29,7 @@ from batchprefill.openai_results import write_results_jsonl
 from batchprefill.order import Group, assign_shards, groups, reusable_tokens, run_order, shared_with_previous
 from batchprefill.preparation import Prepared, prepare_job
 from batchprefill.prepare import ERROR, NAMESPACE, PARTITION_SCHEMA, ROW, TOKENS, partition_path, partition_records
+from batchprefill.request_params import max_output_tokens, may_be_constrained, partition_sampling
 from batchprefill.run_figure import write_run_figure
 from batchprefill.settings import DataSettings, JobSettings
 from batchprefill.stats import JobTotals, job_row, print_summary, stats_dir, write_stats
@@ -60,7 +65,9 @@ def run_job(job: JobSettings) -> dict:
     results_dir = out / "results"
     skip = _committed_ids(job, results_dir)
     mine = _shard_partitions(job, prepared)
-    engine = build_engine(job, prepared, _tokens_needed(prepared, mine, job.sampling.max_tokens))
+    output_tokens, constrained = _shard_demand(job, prepared, mine)
+    structured = structured_step(job, prepared) if constrained else None  # before the model: a bad schema fails fast
+    engine = build_engine(job, prepared, _tokens_needed(prepared, mine, output_tokens), structured)
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds)
     totals = JobTotals()
@@ -102,13 +109,45 @@ def _shard_partitions(job: JobSettings, prepared: Prepared) -> list[int]:
     return [p for p in shards[job.data.sharding.shard_index] if manifest.partition_rows[p]]
 
 
-def _tokens_needed(prepared: Prepared, partitions: list[int], max_tokens: int) -> int:
+def _shard_demand(job: JobSettings, prepared: Prepared, partitions: list[int]) -> tuple[int, bool]:
+    """The most output tokens this shard's rows may ask for, and whether any of them can be constrained.
+
+    Rows set their own max_tokens and constraints only through per-request columns; those alone are read back."""
+    columns, default = job.data.columns, job.sampling
+    rows = sum(prepared.manifest.partition_rows[p] for p in partitions)
+    wanted = [*columns.sampling, *([columns.schema] if columns.schema else [])]
+    if not wanted:
+        return rows * default.max_tokens, default.constraint is not None
+    output_tokens, constrained = 0, default.constraint is not None
+    for part in partitions:
+        path = partition_path(prepared.partitions_dir, part)
+        table = read_parquet(path, [name for name in wanted if name in pq.read_schema(path).names], PARTITION_REMEDY)
+        output_tokens += max_output_tokens(table, default)
+        constrained = constrained or may_be_constrained(table, columns)
+    return output_tokens, constrained
+
+
+def _tokens_needed(prepared: Prepared, partitions: list[int], output_tokens: int) -> int:
     """KV slots that would hold every prompt and output of this shard at once: a pool never needs more."""
-    manifest = prepared.manifest
-    return sum(manifest.partition_tokens[p] + manifest.partition_rows[p] * max_tokens for p in partitions)
+    return sum(prepared.manifest.partition_tokens[p] for p in partitions) + output_tokens
 
 
-def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int) -> Engine:
+def structured_step(job: JobSettings, prepared: Prepared) -> StructuredStep:
+    """The grammar machinery, built only for a job whose rows can be constrained; the job-wide constraint is
+    compiled here, before the model loads, so a schema that cannot compile fails the job in seconds."""
+    config = prepared.model_config
+    grammars = Grammars(prepared.tokenizer, config.vocab_size, config.eos_token_ids)
+    constraint = job.sampling.constraint
+    if constraint is not None:
+        try:
+            grammars.compile(constraint)
+        except GrammarError as error:
+            raise JobError(f"sampling.{constraint.kind}: {error}; fix the constraint") from None
+    return StructuredStep(grammars, job.engine.max_num_seqs)
+
+
+def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int,
+                 structured: StructuredStep | None = None) -> Engine:
     """Load the model on the chosen device and backend, size the KV pool, and build the engine around them."""
     settings = job.engine
     device = resolve_device(settings.device)
@@ -131,7 +170,7 @@ def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int) -> En
     )
     scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
              model_config.layer_windows, settings.block_size, job.model.adapter)
-    return Engine(loaded.model, config, prepared.tokenizer.decode, scope, kv_dtype, device)
+    return Engine(loaded.model, config, prepared.tokenizer.decode, scope, kv_dtype, device, structured)
 
 
 def _trap_sigterm() -> list[bool]:
@@ -189,13 +228,16 @@ def load_partition(data: DataSettings, block_size: int, params: SamplingParams, 
     table = read_parquet(partition_path(prepared.partitions_dir, part), None, PARTITION_REMEDY)
     if skip:
         table = table.filter(pa.array([i not in skip for i in table[data.columns.id].to_pylist()]))
+    sampling = partition_sampling(table, data.columns, params, prepared.model_config.max_positions)
+    table = table.set_column(table.schema.get_field_index(ERROR), ERROR, pa.array(sampling.errors, pa.string()))
     order = run_order(table[TOKENS], table[NAMESPACE], table[ROW], table[ERROR], data.order)
     token_ids, namespaces = table[TOKENS].take(order), table[NAMESPACE].take(order)
     rows = table[ROW].take(order).to_pylist()
-    requests = [Request(row, ids, params, namespace)
-                for row, ids, namespace in zip(rows, token_ids.to_pylist(), namespaces.to_pylist())]
+    settings = [sampling.settings[i] for i in sampling.index[order].tolist()]
+    requests = [Request(row, ids, row_params, namespace) for row, ids, row_params, namespace
+                in zip(rows, token_ids.to_pylist(), settings, namespaces.to_pylist())]
     link_prefix_donors(requests, shared_with_previous(token_ids, namespaces, block_size))
-    errors = [(i, message) for i, message in enumerate(table[ERROR].to_pylist()) if message is not None]
+    errors = [(i, message) for i, message in enumerate(sampling.errors) if message is not None]
     return PartitionRun(part, table, errors, requests, groups(token_ids, namespaces, block_size),
                         dict(zip(rows, order.tolist())), len(requests),
                         sum(reusable_tokens(token_ids, namespaces, block_size)))

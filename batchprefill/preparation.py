@@ -41,10 +41,18 @@ def prepare_job(job: JobSettings) -> Prepared:
         raise JobError(f"{asked} needs a chat template, but {folder} has none")
     prepare_settings = PrepareSettings(
         columns=job.data.columns, chat_template=job.data.chat_template, order=job.data.order,
-        block_size=job.engine.block_size, max_prompt_tokens=model_config.max_positions - job.sampling.max_tokens,
+        block_size=job.engine.block_size, max_prompt_tokens=_max_prompt_tokens(job, model_config),
         tokenizer_id=identity, read_batch_rows=job.data.read_batch_rows, buffer_mb=job.data.buffer_mb,
         min_partitions=PARTITIONS_PER_SHARD * job.data.sharding.num_shards,
     )
     partitions_dir = job.output.dir / "partitions"
     manifest = prepare(files, fmt, prepare_settings, tokenizer, partitions_dir, job.output.progress)
     return Prepared(folder, model_config, identity, tokenizer, manifest, partitions_dir)
+
+
+def _max_prompt_tokens(job: JobSettings, model_config: ModelConfig) -> int:
+    """The longest prompt preparing lets through. Rows that set their own max_tokens are checked against it
+    when their partition loads (request_params), so here only the model's context bounds them."""
+    if "max_tokens" in job.data.columns.sampling:
+        return model_config.max_positions - 1
+    return model_config.max_positions - job.sampling.max_tokens

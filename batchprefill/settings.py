@@ -109,10 +109,12 @@ def _data(cfg: DictConfig) -> DataSettings:
 def _columns(d: DictConfig) -> Columns:
     if d.format == "openai_batch":  # the reader's own columns; custom_id is the id
         return Columns(prompt=openai_batch.PROMPT, id=openai_batch.ID, system=None, namespace=d.namespace_column,
-                       messages=openai_batch.MESSAGES, read_error=openai_batch.ERROR_MESSAGE)
+                       messages=openai_batch.MESSAGES, read_error=openai_batch.ERROR_MESSAGE,
+                       schema=d.get("schema_column"),
+                       sampling=tuple(field.name for field in openai_batch.SAMPLING_COLUMNS))
     messages = d.get("messages_column")
     return Columns(prompt=None if messages else d.prompt_column, id=d.id_column, system=d.system_column,
-                   namespace=d.namespace_column, messages=messages)
+                   namespace=d.namespace_column, messages=messages, schema=d.get("schema_column"))
 
 
 def _sharding(count: int | None, index: int | None) -> Sharding:

@@ -64,14 +64,15 @@ def run_cli(args: list[str], cwd: Path | None = None, env: dict | None = None, t
 
 @pytest.fixture(scope="session")
 def make_engine(loaded_model, tokenizer):
-    """An engine on the session's model; keyword arguments override EngineConfig fields."""
+    """An engine on the session's model; keyword arguments override EngineConfig fields, `structured_step` gives
+    it a grammar step."""
     from batchprefill.engine.config import EngineConfig
     from batchprefill.engine.engine import Engine
 
-    def build(**overrides):
+    def build(structured_step=None, **overrides):
         config = EngineConfig(**{"num_blocks": 512, **overrides})
         return Engine(loaded_model.model, config, tokenizer.decode, (loaded_model.identity, "float32"),
-                      torch.float32, torch.device("cpu"))
+                      torch.float32, torch.device("cpu"), structured_step)
 
     return build
 

@@ -166,7 +166,7 @@ def test_job_constraint_reads_a_schema_file_and_refuses_two_constraints(tmp_path
     path = tmp_path / "label.json"
     path.write_text(json.dumps(LABEL_SCHEMA))
     assert job_constraint(str(path), None, None) == Constraint.json_schema(LABEL_SCHEMA)
-    assert job_constraint('{"type": "integer"}', None, None) == Constraint("json_schema", '{"type": "integer"}')
+    assert job_constraint('{"type": "integer"}', None, None) == Constraint("json_schema", '{"type":"integer"}')
     assert job_constraint(None, None, ["a", "b"]) == Constraint.choice(["a", "b"])
     assert job_constraint(None, None, None) is None
     with pytest.raises(GrammarError, match="choose one constraint"):

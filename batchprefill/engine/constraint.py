@@ -27,7 +27,9 @@ class Constraint:
 
     @staticmethod
     def json_schema(schema: str | dict) -> Constraint:
-        """A JSON Schema given as a dict or a JSON string; keys are sorted, so formatting never recompiles."""
+        """A JSON Schema given as a dict or a JSON string, re-serialised compactly so that formatting never
+        recompiles. Key order is kept: the grammar writes properties in the schema's order, and a labelling
+        schema often puts a reasoning field before the answer on purpose."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -35,7 +37,7 @@ class Constraint:
                 raise GrammarError(f"json_schema is not valid JSON: {error}") from None
         if not isinstance(schema, dict):
             raise GrammarError(f"json_schema must be a JSON object, not {type(schema).__name__}")
-        return Constraint("json_schema", json.dumps(schema, sort_keys=True))
+        return Constraint("json_schema", json.dumps(schema, separators=(",", ":")))
 
     @staticmethod
     def json_object() -> Constraint:

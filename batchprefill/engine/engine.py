@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from batchprefill.engine.request import Request
 from batchprefill.engine.scheduler import Scheduler
 from batchprefill.engine.step import Step
 from batchprefill.model.decoder import DecoderModel
+
+if TYPE_CHECKING:  # xgrammar loads only for jobs that can be constrained
+    from batchprefill.engine.structured import StructuredStep
 
 
 @dataclass
@@ -53,8 +57,10 @@ class EngineCounters:
 
 class Engine:
     def __init__(self, model: DecoderModel, config: EngineConfig, detokenize: Callable[[list[int]], str],
-                 model_scope: tuple, kv_dtype: torch.dtype, device: torch.device):
-        """`model_scope`: everything about the model that changes KV for the same tokens (the cache's scope)."""
+                 model_scope: tuple, kv_dtype: torch.dtype, device: torch.device,
+                 structured: StructuredStep | None = None):
+        """`model_scope`: everything about the model that changes KV for the same tokens (the cache's scope).
+        `structured`: the grammar step, for an engine whose requests may be constrained; None costs nothing."""
         self.config = config
         self.detokenize = detokenize
         self.eos = set(model.config.eos_token_ids)
@@ -65,6 +71,7 @@ class Engine:
                                   config.padded_decode, config.max_num_seqs)
         self.counters = EngineCounters()
         self.rejected: list[Request] = []  # requests that can never fit the pool, returned by the next step
+        self.structured = structured
 
     def add(self, request: Request) -> None:
         capacity = self.config.num_blocks * self.config.block_size
@@ -72,10 +79,19 @@ class Engine:
             request.error = (f"needs up to {request.num_prompt_tokens + request.sampling.max_tokens} KV slots "
                              f"(prompt + sampling.max_tokens) but the pool holds {capacity}; "
                              "raise engine.kv_cache_tokens")
-            self._finish(request, "error", "")
-            self.rejected.append(request)
+            self._reject(request)
             return
+        if request.sampling.constraint is not None:
+            request.error = ("the engine was built without structured outputs" if self.structured is None
+                             else self.structured.compile_error(request))
+            if request.error is not None:
+                self._reject(request)
+                return
         self.scheduler.add(request)
+
+    def _reject(self, request: Request) -> None:
+        self._finish(request, "error", "")
+        self.rejected.append(request)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.rejected)
@@ -87,21 +103,26 @@ class Engine:
         clock.append(time.perf_counter())
         finished, self.rejected = self.rejected, []
         for request in step.preempted:
-            self.runner.release(request)
+            self._release(request)
         if step.chunks:
             inputs = self.runner.prepare(step)
+            masks = self.structured.start(step, inputs.sampled) if self.structured is not None else None
             clock.append(time.perf_counter())
             logits = self.runner.forward(inputs)
             clock.append(time.perf_counter())
+            # raw logprobs are read here, before a grammar masks the logits
+            if masks is not None:
+                self.structured.mask(logits, masks)
             tokens = self.runner.sample(logits, inputs).tolist()
             clock.append(time.perf_counter())
             self.scheduler.commit(step)
             chunks = step.chunks
             for index, token in zip(inputs.sampled.tolist(), tokens):
                 request = chunks[index].request
-                if self._append(request, token):
+                if self._append(request, token) or (self.structured is not None
+                                                    and self._grammar_ends(request, token)):
                     self.scheduler.finish(request)
-                    self.runner.release(request)
+                    self._release(request)
                     finished.append(request)
         else:
             clock += clock[-1:] * 3
@@ -123,6 +144,16 @@ class Engine:
             if not self.has_work():
                 return
             yield from self.step()
+
+    def _release(self, request: Request) -> None:
+        if self.structured is not None:
+            self.structured.release(request)
+        self.runner.release(request)
+
+    def _grammar_ends(self, request: Request, token: int) -> bool:
+        """A constrained request also ends when its grammar does (with sampling.ignore_eos) or rejects a token."""
+        reason = self.structured.advance(request, token)
+        return reason is not None and self._finish(request, reason, self.detokenize(request.output_token_ids))
 
     def _append(self, request: Request, token: int) -> bool:
         """Add a sampled token and decide whether the request is done."""
