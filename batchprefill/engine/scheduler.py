@@ -5,6 +5,11 @@ prefill chunks, first of requests already part-way through their prompt, then of
 waiting request whose next uncached block is being computed by another request right now is held
 back until that block is cached, so a prefix shared by a whole group is computed once. When the pool
 cannot hold a step's KV, the newest running request is preempted and recomputed later.
+
+A request may carry children to fork once its prompt is computed (n samples, the choices of a score): each
+child shares the parent's full blocks and gets a copy of its partial one, so the prompt is computed once. A
+parent is admitted only with sequence slots (and, with `reserve_growth`, blocks) for its children too; a
+child that finds no slot or block at fork time waits instead, and recomputes only what the cache lost.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.in_flight: dict[bytes, Request] = {}  # keys of blocks some request is computing right now
         self.preemptions = 0
+        self.fork_slots = 0  # sequence slots held for the children of running requests, forked later
         self._preempted: list[Request] = []  # this step's, handed out with it
 
     # ---- bookkeeping --------------------------------------------------------------------------
@@ -120,6 +126,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self.fork_slots -= len(request.forks)
         self._release(request)
         request.num_computed_tokens = 0
         request.status = Status.WAITING
@@ -135,9 +142,15 @@ class Scheduler:
         request.block_table = []
 
     def _growth(self, request: Request) -> int:
-        """Blocks a request may still claim: up to its whole prompt plus max_tokens outputs."""
+        """Blocks a request may still claim: up to its whole prompt plus max_tokens outputs, and its children's."""
         final = request.num_prompt_tokens + request.sampling.max_tokens
-        return max(0, cdiv(final, self.block_size) - len(request.block_table))
+        return max(0, cdiv(final, self.block_size) - len(request.block_table)) + self._fork_growth(request)
+
+    def _fork_growth(self, request: Request) -> int:
+        """Blocks the children of a request will claim beyond the full blocks they share with it."""
+        shared = request.num_prompt_tokens // self.block_size
+        return sum(cdiv(c.num_prompt_tokens + c.sampling.max_tokens, self.block_size) - shared
+                   for c in request.forks)
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         """Admit waiting requests in order while budget, sequence slots and blocks last.
@@ -148,8 +161,11 @@ class Scheduler:
         """
         held_back: list[Request] = []
         reserved = sum(self._growth(r) for r in self.running) if self.reserve_growth else 0
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + self.fork_slots < self.max_num_seqs:
             request = self.waiting.popleft()
+            if self.running and len(self.running) + self.fork_slots + 1 + len(request.forks) > self.max_num_seqs:
+                self.waiting.appendleft(request)  # no slots for its children yet; alone, they wait instead
+                break
             hits, next_key = self._match(request)
             if next_key is not None and next_key in self.in_flight:
                 held_back.append(request)  # its prefix is being filled by another request: wait for it
@@ -160,7 +176,7 @@ class Scheduler:
             claim = need
             if self.reserve_growth:
                 total = request.num_prompt_tokens + request.sampling.max_tokens
-                claim = max(need, cdiv(total, self.block_size) - len(hits)) + reserved
+                claim = max(need, cdiv(total, self.block_size) - len(hits)) + self._fork_growth(request) + reserved
             if claim > self.pool.num_available - sum(self.pool.ref_counts[b] == 0 for b in hits):
                 self.waiting.appendleft(request)
                 break
@@ -174,6 +190,7 @@ class Scheduler:
             self._claim_in_flight(request, len(hits))
             request.status = Status.RUNNING
             self.running.append(request)
+            self.fork_slots += len(request.forks)
             chunks.append(ScheduledChunk(request, count))
             budget -= count
         self.waiting.extendleft(reversed(held_back))
@@ -229,7 +246,38 @@ class Scheduler:
             request.num_computed_tokens += chunk.num_tokens
             self._cache_full_blocks(request, before)
 
+    def fork(self, parent: Request) -> list[tuple[int, int]]:
+        """Start the children of a parent whose prompt is now computed; returns the (parent, child) blocks whose
+        KV the runner copies before the next forward pass.
+
+        A child skips admission: it holds the parent's prompt as computed and cached (its own tokens are all that
+        is left to compute). Without a free sequence slot or block it waits, to be admitted like any request.
+        """
+        children, parent.forks = parent.forks, []
+        self.fork_slots -= len(children)
+        copies = []
+        computed = parent.num_prompt_tokens
+        for child in children:
+            needs_copy = computed % self.block_size != 0
+            if len(self.running) >= self.max_num_seqs or self.pool.num_available < needs_copy:
+                self.waiting.appendleft(child)
+                continue
+            child.block_table, copy = self.pool.fork(parent.block_table, computed, self.block_size)
+            if copy is not None:
+                copies.append(copy)
+            child.block_hashes = parent.block_hashes[: computed // self.block_size]
+            child.num_computed_tokens = computed
+            child.num_cached_tokens = min(computed, child.num_prompt_tokens)
+            child.status = Status.RUNNING
+            self.running.append(child)
+        return copies
+
     def finish(self, request: Request) -> None:
-        self.running.remove(request)
-        self._release(request)
+        """A request is done: a running one gives its blocks back; a waiting one (a child that finished on the
+        token its parent's logits gave it) leaves the queue."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self._release(request)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
         request.status = Status.FINISHED
