@@ -86,3 +86,10 @@ class Request:
     def is_decoding(self) -> bool:
         """All tokens but the last sampled one are in the cache: the next step computes one token."""
         return self.num_computed_tokens == self.num_tokens - 1 and bool(self.output_token_ids)
+
+
+def with_samples(request: Request) -> Request:
+    """The request as sample 0 of `sampling.n`, carrying samples 1..n-1 as children that fork after its prompt."""
+    request.forks = [Request(request.request_id, request.prompt_token_ids, request.sampling, request.namespace,
+                             sample_index=index) for index in range(1, request.sampling.n)]
+    return request

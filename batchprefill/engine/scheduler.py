@@ -176,7 +176,10 @@ class Scheduler:
             claim = need
             if self.reserve_growth:
                 total = request.num_prompt_tokens + request.sampling.max_tokens
-                claim = max(need, cdiv(total, self.block_size) - len(hits)) + self._fork_growth(request) + reserved
+                # Children's growth is held too, unless nothing runs: then it might exceed the pool, and children
+                # that find no room at fork time wait instead (see `fork`).
+                children = self._fork_growth(request) if self.running else 0
+                claim = max(need, cdiv(total, self.block_size) - len(hits)) + children + reserved
             if claim > self.pool.num_available - sum(self.pool.ref_counts[b] == 0 for b in hits):
                 self.waiting.appendleft(request)
                 break
@@ -257,11 +260,16 @@ class Scheduler:
         self.fork_slots -= len(children)
         copies = []
         computed = parent.num_prompt_tokens
+        shared = computed // self.block_size
+        # With reserved growth a child forks only if its own growth fits beside every running request's.
+        spare = self.pool.num_available - (sum(map(self._growth, self.running)) if self.reserve_growth else 0)
         for child in children:
-            needs_copy = computed % self.block_size != 0
-            if len(self.running) >= self.max_num_seqs or self.pool.num_available < needs_copy:
+            growth = cdiv(child.num_prompt_tokens + child.sampling.max_tokens, self.block_size) - shared
+            needs = growth if self.reserve_growth else int(computed % self.block_size != 0)
+            if len(self.running) >= self.max_num_seqs or spare < needs:
                 self.waiting.appendleft(child)
                 continue
+            spare -= needs
             child.block_table, copy = self.pool.fork(parent.block_table, computed, self.block_size)
             if copy is not None:
                 copies.append(copy)
