@@ -30,6 +30,7 @@ class Columns:
     namespace: str | None
     messages: str | None = None  # chat conversations (list of struct role, content); used before `prompt`
     read_error: str | None = None  # errors the reader found in a row (OpenAI batch lines): such rows never run
+    choices: str | None = None  # task=score: each row's continuations (a list of strings, or one string)
 
 
 def resolve_input(path: str | None, fmt: str) -> tuple[list[Path], str]:
@@ -150,7 +151,8 @@ def open_dataset(files: list[Path], fmt: str) -> pads.Dataset | OpenAIBatchFile:
 def check_columns(schema: pa.Schema, columns: Columns) -> None:
     names = set(schema.names)
     for key, name in (("prompt_column", columns.prompt), ("system_column", columns.system),
-                      ("namespace_column", columns.namespace), ("messages_column", columns.messages)):
+                      ("namespace_column", columns.namespace), ("messages_column", columns.messages),
+                      ("choices_column", columns.choices)):
         if name is not None and name not in names:
             raise JobError(f"data.{key}={name!r} is not a column of the input (columns: {', '.join(schema.names)})")
 

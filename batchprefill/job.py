@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,18 +17,28 @@ from batchprefill.dataset import read_parquet
 from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.kv_cache import pool_blocks
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request, SamplingParams, with_samples
+from batchprefill.engine.scoring import score_request
 from batchprefill.errors import JobError
 from batchprefill.malloc import keep_freed_memory
 from batchprefill.model.loader import load_model, make_ops, resolve_device, resolve_dtype
 from batchprefill.openai_results import write_results_jsonl
 from batchprefill.order import Group, assign_shards, groups, reusable_tokens, run_order
 from batchprefill.preparation import Prepared, prepare_job
-from batchprefill.prepare import ERROR, NAMESPACE, PARTITION_SCHEMA, ROW, TOKENS, partition_path, partition_records
+from batchprefill.prepare import (
+    CHOICES,
+    ERROR,
+    NAMESPACE,
+    PARTITION_SCHEMA,
+    ROW,
+    TOKENS,
+    partition_path,
+    partition_records,
+)
 from batchprefill.run_figure import write_run_figure
 from batchprefill.settings import DataSettings, JobSettings
 from batchprefill.stats import JobTotals, job_row, print_summary, stats_dir, write_stats
-from batchprefill.writer import Outcome, ResultWriter, done_ids, write_records
+from batchprefill.writer import Outcome, ResultWriter, done_ids, result_fields, write_records
 
 SIGTERM_EXIT_STATUS = 143
 PARTITION_REMEDY = "delete output.dir/partitions and rerun: the job prepares them again and resumes"
@@ -47,8 +58,9 @@ class PartitionRun:
     requests: list[Request]  # in run order
     groups: list[Group]
     position: dict[int, int]  # request id -> row of table
-    unfinished: int
+    unfinished: int  # result rows still to write: a row's samples count one each
     ideal_cached_tokens: int  # what an ideal cache serves in this run order (the plan's arithmetic)
+    written: set  # with sampling.n > 1: (request id, sample_index) of samples an earlier run committed
 
 
 def run_job(job: JobSettings) -> dict:
@@ -61,9 +73,11 @@ def run_job(job: JobSettings) -> dict:
     mine = _shard_partitions(job, prepared)
     engine = build_engine(job, prepared, _tokens_needed(prepared, mine, job.sampling.max_tokens))
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
-                          job.output.commit_every_seconds)
+                          job.output.commit_every_seconds,
+                          result_fields(job.task, job.sampling.n > 1, bool(job.sampling.logprobs)))
     totals = JobTotals()
-    bar = tqdm(total=sum(prepared.manifest.partition_rows[p] for p in mine), desc="generate", unit="req",
+    bar = tqdm(total=sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n, desc=job.task,
+               unit="req",
                disable=not job.output.progress)
     stop = _trap_sigterm()
     try:
@@ -84,9 +98,10 @@ def run_job(job: JobSettings) -> dict:
 
 
 def _committed_ids(job: JobSettings, results_dir) -> set:
-    """Ids an earlier run into this output folder already committed, which this run skips."""
+    """Ids an earlier run into this output folder already committed, which this run skips; with sampling.n > 1,
+    the (id, sample_index) pairs committed (a row runs again unless all its samples are in)."""
     if job.output.resume:
-        return done_ids(results_dir, job.data.columns.id)
+        return done_ids(results_dir, job.data.columns.id, job.sampling.n > 1)
     if any(results_dir.glob("part-*.parquet")):
         raise JobError(f"{results_dir} already holds results and output.resume=false: choose another output.dir")
     return set()
@@ -150,10 +165,13 @@ def _requests(job: JobSettings, prepared: Prepared, partitions: list[int], skip:
     for part in partitions:
         run = load_partition(job.data, job.engine.block_size, job.sampling, prepared, part, skip)
         totals.ideal_cached_tokens += run.ideal_cached_tokens
+        row_numbers = run.table[ROW]
         for index, message in run.errors:
-            writer.add(run.table, index, Outcome("", [], 0, 0, "error", message))
-            totals.add_error_row()
-            bar.update(1)
+            for sample in range(job.sampling.n):
+                if (row_numbers[index].as_py(), sample) not in run.written:
+                    writer.add(run.table, index, Outcome("", [], 0, 0, "error", message, _sample_column(job, sample)))
+                    totals.add_error_row()
+                bar.update(1)
         for request in run.requests:
             if stop[0]:
                 raise Interrupted
@@ -163,16 +181,20 @@ def _requests(job: JobSettings, prepared: Prepared, partitions: list[int], skip:
 def _drive(engine: Engine, requests: Iterator[tuple[PartitionRun, Request]], writer: ResultWriter,
            totals: JobTotals, bar: tqdm, stop: list[bool]) -> None:
     """The engine loop: feed requests, write each finished one, commit at the end or on SIGTERM."""
-    owners: dict[int, PartitionRun] = {}  # request id -> the partition it came from
+    owners: dict[int, list] = {}  # request id -> [the partition it came from, its result rows still to come]
 
     def feed() -> Iterator[Request]:
         for run, request in requests:
-            owners[request.request_id] = run
+            owners[request.request_id] = [run, request.sampling.n]
             yield request
 
     try:
         for request in engine.generate(feed()):
-            _record(owners.pop(request.request_id), request, writer, totals)
+            owner = owners[request.request_id]
+            owner[1] -= 1
+            if not owner[1]:
+                del owners[request.request_id]
+            _record(owner[0], request, writer, totals)
             bar.update(1)
             if totals.prompt_tokens:
                 bar.set_postfix(hit=f"{totals.cached_tokens / totals.prompt_tokens:.1%}", refresh=False)
@@ -184,27 +206,60 @@ def _drive(engine: Engine, requests: Iterator[tuple[PartitionRun, Request]], wri
 
 def load_partition(data: DataSettings, block_size: int, params: SamplingParams, prepared: Prepared, part: int,
                    skip: set) -> PartitionRun:
-    """Read one partition, drop rows already done, order the rest and turn them into requests."""
+    """Read one partition, drop rows already done, order the rest and turn them into requests: with task=score
+    a context request per row carrying its choices, with sampling.n > 1 sample 0 carrying the others."""
     table = read_parquet(partition_path(prepared.partitions_dir, part), None, PARTITION_REMEDY)
+    written = skip if params.n > 1 else set()
+    if params.n > 1:  # a row is done when all its samples are
+        skip = {i for i, count in Counter(i for i, _ in written).items() if count >= params.n}
     if skip:
         table = table.filter(pa.array([i not in skip for i in table[data.columns.id].to_pylist()]))
+    if written:
+        row_of = dict(zip(table[data.columns.id].to_pylist(), table[ROW].to_pylist()))
+        written = {(row_of[i], sample) for i, sample in written if i in row_of}
     order = run_order(table[TOKENS], table[NAMESPACE], table[ROW], table[ERROR], data.order)
     token_ids, namespaces = table[TOKENS].take(order), table[NAMESPACE].take(order)
     rows = table[ROW].take(order).to_pylist()
-    requests = [Request(row, ids, params, namespace)
-                for row, ids, namespace in zip(rows, token_ids.to_pylist(), namespaces.to_pylist())]
+    if data.columns.choices:
+        choices = table[CHOICES].take(order).to_pylist()
+        requests = [score_request(row, ids, row_choices, namespace) for row, ids, row_choices, namespace
+                    in zip(rows, token_ids.to_pylist(), choices, namespaces.to_pylist())]
+    else:
+        requests = [with_samples(Request(row, ids, params, namespace))
+                    for row, ids, namespace in zip(rows, token_ids.to_pylist(), namespaces.to_pylist())]
     errors = [(i, message) for i, message in enumerate(table[ERROR].to_pylist()) if message is not None]
     return PartitionRun(part, table, errors, requests, groups(token_ids, namespaces, block_size),
-                        dict(zip(rows, order.tolist())), len(requests),
-                        sum(reusable_tokens(token_ids, namespaces, block_size)))
+                        dict(zip(rows, order.tolist())), sum(r.sampling.n for r in requests),
+                        sum(reusable_tokens(token_ids, namespaces, block_size)), written)
 
 
 def _record(run: PartitionRun, request: Request, writer: ResultWriter, totals: JobTotals) -> None:
     """Write a finished request's row; when its partition is done, add the partition's group statistics."""
-    writer.add(run.table, run.position[request.request_id], Outcome(
-        request.output_text, request.output_token_ids, request.num_prompt_tokens, request.num_cached_tokens or 0,
-        request.finish_reason, request.error))
-    totals.add_finished(request)
+    index = run.position[request.request_id]
     run.unfinished -= 1
+    if (request.request_id, request.sample_index) in run.written:
+        return  # an earlier run committed this sample
+    writer.add(run.table, index, Outcome(
+        request.output_text, request.output_token_ids, request.num_row_prompt_tokens,
+        request.num_cached_tokens or 0, request.finish_reason, request.error, _result_columns(request)))
+    totals.add_finished(request)
     if run.unfinished == 0:
         totals.add_groups(run.part, run.groups, run.requests)
+
+
+def _sample_column(job: JobSettings, sample: int) -> dict:
+    return {"sample_index": sample} if job.sampling.n > 1 else {}
+
+
+def _result_columns(request: Request) -> dict:
+    """A finished request's columns beyond the plain output ones (writer.result_fields picks those a job writes)."""
+    columns: dict = {"sample_index": request.sample_index,
+                     "output_logprobs": request.output_logprobs if request.sampling.logprobs else None,
+                     "output_top_logprobs": [[{"token_id": t, "logprob": v} for t, v in top]
+                                             for top in request.output_top_logprobs] if request.sampling.logprobs
+                     else None}
+    scores = request.score
+    if scores is not None and request.error is None:
+        columns.update(choice_logprobs=scores.choice_logprobs(), choice_num_tokens=list(map(len, scores.choices)),
+                       choice_is_greedy=scores.is_greedy(), best_choice=scores.best_choice())
+    return columns

@@ -41,7 +41,8 @@ def prepare_job(job: JobSettings) -> Prepared:
         raise JobError(f"{asked} needs a chat template, but {folder} has none")
     prepare_settings = PrepareSettings(
         columns=job.data.columns, chat_template=job.data.chat_template, order=job.data.order,
-        block_size=job.engine.block_size, max_prompt_tokens=model_config.max_positions - job.sampling.max_tokens,
+        block_size=job.engine.block_size,
+        max_prompt_tokens=model_config.max_positions - (0 if job.task == "score" else job.sampling.max_tokens),
         tokenizer_id=identity, read_batch_rows=job.data.read_batch_rows, buffer_mb=job.data.buffer_mb,
         min_partitions=PARTITIONS_PER_SHARD * job.data.sharding.num_shards,
     )

@@ -87,9 +87,12 @@ class Engine:
         if need > capacity:
             request.error = (f"needs up to {need} KV slots (prompt + sampling.max_tokens, or context + choice) "
                              f"but the pool holds {capacity}; raise engine.kv_cache_tokens")
+            samples = [c for c in request.forks if c.score is None]  # each sample is a result row of its own
             request.forks = []
-            self._finish(request, "error", "")
-            self.rejected.append(request)
+            for rejected in (request, *samples):
+                rejected.error = request.error
+                self._finish(rejected, "error", "")
+                self.rejected.append(rejected)
             return
         self.scheduler.add(request)
 
