@@ -8,6 +8,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 import torch
@@ -21,7 +22,9 @@ from batchprefill.engine.request import Request, SamplingParams, with_samples
 from batchprefill.engine.scoring import score_request
 from batchprefill.errors import JobError
 from batchprefill.malloc import keep_freed_memory
-from batchprefill.model.loader import load_model, make_ops, resolve_device, resolve_dtype
+from batchprefill.model.config import ModelConfig
+from batchprefill.model.loader import LoadedModel, load_model, make_ops, resolve_device, resolve_dtype
+from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.openai_results import write_results_jsonl
 from batchprefill.order import Group, assign_shards, groups, reusable_tokens, run_order
 from batchprefill.preparation import Prepared, prepare_job
@@ -71,7 +74,7 @@ def run_job(job: JobSettings) -> dict:
     results_dir = out / "results"
     skip = _committed_ids(job, results_dir)
     mine = _shard_partitions(job, prepared)
-    engine = build_engine(job, prepared, _tokens_needed(prepared, mine, job.sampling.max_tokens))
+    engine = build_engine(job, prepared, _tokens_needed(prepared, mine, job))
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds,
                           result_fields(job.task, job.sampling.n > 1, bool(job.sampling.logprobs)))
@@ -116,14 +119,36 @@ def _shard_partitions(job: JobSettings, prepared: Prepared) -> list[int]:
     return [p for p in shards[job.data.sharding.shard_index] if manifest.partition_rows[p]]
 
 
-def _tokens_needed(prepared: Prepared, partitions: list[int], max_tokens: int) -> int:
-    """KV slots that would hold every prompt and output of this shard at once: a pool never needs more."""
+def _tokens_needed(prepared: Prepared, partitions: list[int], job: JobSettings) -> int:
+    """KV slots that would hold every prompt and output of this shard at once: a pool never needs more. With
+    task=score the choices' tokens are not in the manifest: twice the contexts' is taken (a pool that is short
+    only makes children wait)."""
     manifest = prepared.manifest
-    return sum(manifest.partition_tokens[p] + manifest.partition_rows[p] * max_tokens for p in partitions)
+    if job.task == "score":
+        return sum(2 * manifest.partition_tokens[p] for p in partitions)
+    outputs = job.sampling.max_tokens * job.sampling.n
+    return sum(manifest.partition_tokens[p] + manifest.partition_rows[p] * outputs for p in partitions)
+
+
+@dataclass
+class JobModel:
+    """The model loaded for a job, with what every engine built on it shares."""
+
+    loaded: LoadedModel
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    graph_safe_decode: bool
 
 
 def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int) -> Engine:
     """Load the model on the chosen device and backend, size the KV pool, and build the engine around them."""
+    model = load_job_model(job, prepared.folder, prepared.model_config, prepared.identity)
+    return engine_on(job, model, prepared.tokenizer, tokens_needed)
+
+
+def load_job_model(job: JobSettings, folder: Path, model_config: ModelConfig, identity: str) -> JobModel:
     settings = job.engine
     device = resolve_device(settings.device)
     keep_freed_memory()
@@ -132,9 +157,16 @@ def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int) -> En
     dtype = resolve_dtype(job.model.dtype, device)
     kv_dtype = dtype if settings.kv_cache_dtype == "auto" else resolve_dtype(settings.kv_cache_dtype, device)
     ops = make_ops(settings.attention_backend, device)
-    model_config = prepared.model_config
-    loaded = load_model(prepared.folder, dtype, device, ops, model_config, prepared.identity)
-    graphs = settings.cuda_graphs and device.type == "cuda" and ops.graph_safe_decode
+    loaded = load_model(folder, dtype, device, ops, model_config, identity)
+    return JobModel(loaded, model_config, device, dtype, kv_dtype, ops.graph_safe_decode)
+
+
+def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tokens_needed: int) -> Engine:
+    """An engine on a loaded model with a KV pool sized for `tokens_needed` (batchprefill-eval builds one per
+    batch of lm-eval requests, on one model)."""
+    settings, model_config = job.engine, model.config
+    loaded, device, dtype, kv_dtype = model.loaded, model.device, model.dtype, model.kv_dtype
+    graphs = settings.cuda_graphs and device.type == "cuda" and model.graph_safe_decode
     num_blocks = pool_blocks(model_config, kv_dtype, device, settings.block_size, settings.max_num_seqs,
                              settings.kv_cache_tokens, tokens_needed)
     config = EngineConfig(
@@ -145,7 +177,7 @@ def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int) -> En
     )
     scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
              model_config.layer_windows, settings.block_size, job.model.adapter)
-    return Engine(loaded.model, config, prepared.tokenizer.decode, scope, kv_dtype, device)
+    return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device)
 
 
 def _trap_sigterm() -> list[bool]:
