@@ -13,6 +13,7 @@ any batchprefill config key (`engine.block_size=16`, `sampling.seed=1`).
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from collections.abc import Iterable
 
@@ -152,3 +153,7 @@ class BatchprefillLM(TemplateLM):
                     raise JobError(f"{kind} request {request.request_id} cannot run: {request.error}")
                 bar.update(weight(request))
                 yield request
+        counters = engine.counters
+        print(f"batchprefill-eval: {kind}: {total} requests, {counters.finished_prompt_tokens} prompt tokens, "
+              f"{counters.prefill_tokens} computed, {counters.finished_cached_tokens} from the prefix cache",
+              file=sys.stderr)

@@ -92,3 +92,16 @@ def test_n_samples_with_logprobs_write_a_row_per_sample_and_resume_exactly_once(
     next(iter(sorted((out / "results").glob("part-*.parquet")))).unlink()
     merged = run_cli(["batchprefill-merge", f"output.dir={out}", "sampling.n=3", "output.plot=false"])
     assert merged.returncode == 1 and "1 of 9 rows have no result" in merged.stderr
+
+
+def test_a_context_plus_choice_past_the_model_context_is_that_rows_error(tokenizer):
+    from batchprefill.prepare import choice_tokens
+
+    contexts = ["The sky is", "Grass is"]
+    tokens = tokenizer.encode_batch(contexts)  # 3 and 2 tokens
+    errors = [None, None]
+    choices = choice_tokens([[" blue", " a very long and winding answer"], [" green"]], contexts, ["", ""], tokens,
+                            errors, 6, tokenizer)
+    assert errors[0].startswith("prompt plus choices[1] have") and "at most 6 fit" in errors[0]
+    assert choices[0] is None and errors[1] is None
+    assert choices[1] == [tokenizer.encode_batch(["Grass is green"])[0][len(tokens[1]):]]
