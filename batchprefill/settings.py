@@ -88,7 +88,10 @@ class JobSettings:
     def from_config(cls, cfg: DictConfig) -> JobSettings:
         task = str(cfg.get("task", "generate"))
         _require(task in ("generate", "score"), f"task={task!r}: choose generate or score")
-        return cls(data=_data(cfg, task), model=_model(cfg), engine=_engine(cfg), sampling=_sampling(cfg),
+        sampling = _sampling(cfg)
+        _require(task == "generate" or sampling.n == 1, f"task=score scores each choice once: set sampling.n=1, "
+                                                        f"not {sampling.n}")
+        return cls(data=_data(cfg, task), model=_model(cfg), engine=_engine(cfg), sampling=sampling,
                    output=_output(cfg), plan_link_gbps=_link_gbps(cfg), task=task)
 
 

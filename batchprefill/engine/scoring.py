@@ -76,7 +76,7 @@ class ScoreRows:
         """Log-probability and greedy flag of every target, in one pass on the device and one host copy."""
         targets = torch.from_numpy(self.targets).to(logits.device)
         chosen = logits.gather(1, targets[:, None]).squeeze(1)
-        logprob = chosen.double() - logits.double().logsumexp(-1)
+        logprob = chosen.double() - logits.logsumexp(-1).double()  # float32 scratch: [E, vocab] may be large
         greedy = (logits.argmax(-1) == targets).double()
         values = torch.stack([logprob, greedy]).cpu().numpy()
         for (scores, choice, token), value, flag in zip(self.owners, values[0], values[1]):
