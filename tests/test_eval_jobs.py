@@ -46,7 +46,7 @@ def test_score_job_matches_transformers_and_gives_bad_rows_their_own_errors(tmp_
         row = rows[key]
         pairs = [lm_eval_split(tokenizer, prompt, c) for c in choices]
         reference = [hf_loglikelihood(hf_reference, ctx, ids) for ctx, ids in pairs]
-        assert row["error"] is None
+        assert row["error"] is None and row["finish_reason"] == "stop"
         assert max(abs(a - b) for a, (b, _) in zip(row["choice_logprobs"], reference)) < TOLERANCE
         assert row["choice_is_greedy"] == [g for _, g in reference]
         assert row["choice_num_tokens"] == [len(ids) for _, ids in pairs]

@@ -127,4 +127,5 @@ def finish_scored(request: Request) -> Request | None:
     context = scores.context
     computed = context.num_prompt_tokens - (context.num_cached_tokens or 0) + scores.computed_choice_tokens
     context.num_cached_tokens = context.num_row_prompt_tokens - computed
+    context.finish_reason = "stop"  # INTERFACE.md's values: a scored row ended normally
     return context
