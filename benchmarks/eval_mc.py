@@ -19,6 +19,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -74,6 +75,7 @@ def write_tasks(folder: Path, subjects: int, questions: int, seed: int) -> list[
 
 def run_lm_eval(module: str, model: str, model_args: str, tasks: list[str], folder: Path, out: Path,
                 limit: int) -> tuple[float, dict, str]:
+    shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, "-m", module, "--model", model, "--model_args", model_args, "--tasks",
                ",".join(tasks), "--include_path", str(folder), "--output_path", str(out), "--device", "cpu",
                "--batch_size", "16", "--limit", str(limit)]
@@ -112,6 +114,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=Path("/tmp/bp-eval-mc"))
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -131,22 +134,24 @@ def main() -> None:
     wall, results, log = run_lm_eval("batchprefill.eval", "batchprefill", model_args, tasks, args.work,
                                      args.work / "out-bp", limit)
     computed = int(re.search(r"loglikelihood: \d+ requests, \d+ prompt tokens, (\d+) computed", log).group(1))
-    report["batchprefill"] = {"wall_seconds": wall, "computed_prompt_tokens": computed,
+    report["batchprefill"] = {"process_seconds": wall, "computed_prompt_tokens": computed,
                               "computed_over_ideal": computed / ideal,
                               "acc": {t: results[t]["acc,none"] for t in tasks}}
+    print(json.dumps(report), file=sys.stderr, flush=True)
     if not args.skip_hf:
         wall, results, _ = run_lm_eval("lm_eval", "hf", model_args, tasks, args.work, args.work / "out-hf", limit)
-        report["hf"] = {"wall_seconds": wall, "acc": {t: results[t]["acc,none"] for t in tasks}}
+        report["hf"] = {"process_seconds": wall, "acc": {t: results[t]["acc,none"] for t in tasks}}
     if not args.skip_vllm:
         requests = args.work / "vllm_requests.json"
         requests.write_text(json.dumps(pairs))
         start = time.perf_counter()
-        done = subprocess.run([str(VLLM_PYTHON), str(HERE / "peer_vllm_loglik.py"), "--requests", str(requests),
+        done = subprocess.run([str(args.vllm_python), str(HERE / "peer_vllm_loglik.py"), "--requests", str(requests),
                                "--model", str(model_folder), "--pool-tokens", "65536"],
                               capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"vllm failed: {done.stderr[-2000:]}")
-        vllm = json.loads(done.stdout.strip().splitlines()[-1])
+        # vLLM logs to stdout too: the figures are the one line that is a JSON object with an "engine" key
+        vllm = next(json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"engine"'))
         vllm.pop("loglikelihoods")
         report["vllm"] = {**vllm, "total_seconds": time.perf_counter() - start}
     print(json.dumps(report, indent=1))

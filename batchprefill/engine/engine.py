@@ -75,13 +75,15 @@ class Engine:
                                   config.padded_decode, config.max_num_seqs)
         self.counters = EngineCounters()
         self.rejected: list[Request] = []  # requests that can never fit the pool, returned by the next step
-        # Set by the first request that asks: until then no step looks for scoring rows or logprobs.
+        # Set by the first request that asks: until then no step looks for forks, scoring rows or logprobs.
+        self.forking = False
         self.scoring = False
         self.logprobs = False
 
     def add(self, request: Request) -> None:
         capacity = self.config.num_blocks * self.config.block_size
         need = max(r.num_prompt_tokens + r.sampling.max_tokens for r in (request, *request.forks))
+        self.forking |= bool(request.forks)
         self.scoring |= request.score is not None
         self.logprobs |= bool(request.sampling.logprobs)
         if need > capacity:
@@ -122,7 +124,8 @@ class Engine:
             tops = self._logprobs(logits, tokens, sampled)
             clock.append(time.perf_counter())
             self.scheduler.commit(step)
-            self._fork(logits, sampled, finished)
+            if self.forking:
+                self._fork(logits, sampled, finished)
             for position, (request, token) in enumerate(zip(sampled, tokens.tolist())):
                 if request.score is not None:
                     self._done(request)
