@@ -32,6 +32,7 @@ class Columns:
     read_error: str | None = None  # errors the reader found in a row (OpenAI batch lines): such rows never run
     schema: str | None = None  # a per-row JSON Schema (string) the row's output must follow
     sampling: tuple[str, ...] = ()  # per-request sampling columns (OpenAI batch bodies'; see request_params)
+    choices: str | None = None  # task=score: each row's continuations (a list of strings, or one string)
 
 
 def resolve_input(path: str | None, fmt: str) -> tuple[list[Path], str]:
@@ -153,7 +154,7 @@ def check_columns(schema: pa.Schema, columns: Columns) -> None:
     names = set(schema.names)
     for key, name in (("prompt_column", columns.prompt), ("system_column", columns.system),
                       ("namespace_column", columns.namespace), ("messages_column", columns.messages),
-                      ("schema_column", columns.schema)):
+                      ("schema_column", columns.schema), ("choices_column", columns.choices)):
         if name is not None and name not in names:
             raise JobError(f"data.{key}={name!r} is not a column of the input (columns: {', '.join(schema.names)})")
     if columns.schema is not None and not pa.types.is_string(schema.field(columns.schema).type):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -20,20 +22,32 @@ from batchprefill.engine.constraint import GrammarError
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.grammar import Grammars
 from batchprefill.engine.kv_cache import pool_blocks
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request, SamplingParams, with_samples
+from batchprefill.engine.scoring import score_request
 from batchprefill.engine.structured import StructuredStep
 from batchprefill.errors import JobError
 from batchprefill.malloc import keep_freed_memory
-from batchprefill.model.loader import load_model, make_ops, resolve_device, resolve_dtype
+from batchprefill.model.config import ModelConfig
+from batchprefill.model.loader import LoadedModel, load_model, make_ops, resolve_device, resolve_dtype
+from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.openai_results import write_results_jsonl
 from batchprefill.order import Group, assign_shards, groups, reusable_tokens, run_order, shared_with_previous
 from batchprefill.preparation import Prepared, prepare_job
-from batchprefill.prepare import ERROR, NAMESPACE, PARTITION_SCHEMA, ROW, TOKENS, partition_path, partition_records
+from batchprefill.prepare import (
+    CHOICES,
+    ERROR,
+    NAMESPACE,
+    PARTITION_SCHEMA,
+    ROW,
+    TOKENS,
+    partition_path,
+    partition_records,
+)
 from batchprefill.request_params import max_output_tokens, may_be_constrained, partition_sampling
 from batchprefill.run_figure import write_run_figure
 from batchprefill.settings import DataSettings, JobSettings
 from batchprefill.stats import JobTotals, job_row, print_summary, stats_dir, write_stats
-from batchprefill.writer import Outcome, ResultWriter, done_ids, write_records
+from batchprefill.writer import Outcome, ResultWriter, done_ids, result_fields, write_records
 
 SIGTERM_EXIT_STATUS = 143
 PARTITION_REMEDY = "delete output.dir/partitions and rerun: the job prepares them again and resumes"
@@ -53,8 +67,9 @@ class PartitionRun:
     requests: list[Request]  # in run order
     groups: list[Group]
     position: dict[int, int]  # request id -> row of table
-    unfinished: int
+    unfinished: int  # result rows still to write: a row's samples count one each
     ideal_cached_tokens: int  # what an ideal cache serves in this run order (the plan's arithmetic)
+    written: set  # with sampling.n > 1: (request id, sample_index) of samples an earlier run committed
 
 
 def run_job(job: JobSettings) -> dict:
@@ -67,11 +82,13 @@ def run_job(job: JobSettings) -> dict:
     mine = _shard_partitions(job, prepared)
     output_tokens, constrained = _shard_demand(job, prepared, mine)
     structured = structured_step(job, prepared) if constrained else None  # before the model: a bad schema fails fast
-    engine = build_engine(job, prepared, _tokens_needed(prepared, mine, output_tokens), structured)
+    engine = build_engine(job, prepared, _tokens_needed(prepared, mine, job, output_tokens), structured)
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
-                          job.output.commit_every_seconds)
+                          job.output.commit_every_seconds,
+                          result_fields(job.task, job.sampling.n > 1, bool(job.sampling.logprobs)))
     totals = JobTotals()
-    bar = tqdm(total=sum(prepared.manifest.partition_rows[p] for p in mine), desc="generate", unit="req",
+    bar = tqdm(total=sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n, desc=job.task,
+               unit="req",
                disable=not job.output.progress)
     stop = _trap_sigterm()
     try:
@@ -92,9 +109,10 @@ def run_job(job: JobSettings) -> dict:
 
 
 def _committed_ids(job: JobSettings, results_dir) -> set:
-    """Ids an earlier run into this output folder already committed, which this run skips."""
+    """Ids an earlier run into this output folder already committed, which this run skips; with sampling.n > 1,
+    the (id, sample_index) pairs committed (a row runs again unless all its samples are in)."""
     if job.output.resume:
-        return done_ids(results_dir, job.data.columns.id)
+        return done_ids(results_dir, job.data.columns.id, job.sampling.n > 1)
     if any(results_dir.glob("part-*.parquet")):
         raise JobError(f"{results_dir} already holds results and output.resume=false: choose another output.dir")
     return set()
@@ -127,9 +145,26 @@ def _shard_demand(job: JobSettings, prepared: Prepared, partitions: list[int]) -
     return output_tokens, constrained
 
 
-def _tokens_needed(prepared: Prepared, partitions: list[int], output_tokens: int) -> int:
-    """KV slots that would hold every prompt and output of this shard at once: a pool never needs more."""
-    return sum(prepared.manifest.partition_tokens[p] for p in partitions) + output_tokens
+def _tokens_needed(prepared: Prepared, partitions: list[int], job: JobSettings, output_tokens: int) -> int:
+    """KV slots that would hold every prompt and output of this shard at once: a pool never needs more. With
+    task=score the choices' tokens are not in the manifest: twice the contexts' is taken (a pool that is short
+    only makes children wait)."""
+    manifest = prepared.manifest
+    if job.task == "score":
+        return sum(2 * manifest.partition_tokens[p] for p in partitions)
+    return sum(manifest.partition_tokens[p] for p in partitions) + output_tokens * job.sampling.n
+
+
+@dataclass
+class JobModel:
+    """The model loaded for a job, with what every engine built on it shares."""
+
+    loaded: LoadedModel
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    graph_safe_decode: bool
 
 
 def structured_step(job: JobSettings, prepared: Prepared) -> StructuredStep:
@@ -149,6 +184,11 @@ def structured_step(job: JobSettings, prepared: Prepared) -> StructuredStep:
 def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int,
                  structured: StructuredStep | None = None) -> Engine:
     """Load the model on the chosen device and backend, size the KV pool, and build the engine around them."""
+    model = load_job_model(job, prepared.folder, prepared.model_config, prepared.identity)
+    return engine_on(job, model, prepared.tokenizer, tokens_needed, structured)
+
+
+def load_job_model(job: JobSettings, folder: Path, model_config: ModelConfig, identity: str) -> JobModel:
     settings = job.engine
     device = resolve_device(settings.device)
     keep_freed_memory()
@@ -157,9 +197,17 @@ def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int,
     dtype = resolve_dtype(job.model.dtype, device)
     kv_dtype = dtype if settings.kv_cache_dtype == "auto" else resolve_dtype(settings.kv_cache_dtype, device)
     ops = make_ops(settings.attention_backend, device)
-    model_config = prepared.model_config
-    loaded = load_model(prepared.folder, dtype, device, ops, model_config, prepared.identity)
-    graphs = settings.cuda_graphs and device.type == "cuda" and ops.graph_safe_decode
+    loaded = load_model(folder, dtype, device, ops, model_config, identity)
+    return JobModel(loaded, model_config, device, dtype, kv_dtype, ops.graph_safe_decode)
+
+
+def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tokens_needed: int,
+              structured: StructuredStep | None = None) -> Engine:
+    """An engine on a loaded model with a KV pool sized for `tokens_needed` (batchprefill-eval builds one per
+    batch of lm-eval requests, on one model)."""
+    settings, model_config = job.engine, model.config
+    loaded, device, dtype, kv_dtype = model.loaded, model.device, model.dtype, model.kv_dtype
+    graphs = settings.cuda_graphs and device.type == "cuda" and model.graph_safe_decode
     num_blocks = pool_blocks(model_config, kv_dtype, device, settings.block_size, settings.max_num_seqs,
                              settings.kv_cache_tokens, tokens_needed)
     config = EngineConfig(
@@ -170,7 +218,7 @@ def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int,
     )
     scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
              model_config.layer_windows, settings.block_size, job.model.adapter)
-    return Engine(loaded.model, config, prepared.tokenizer.decode, scope, kv_dtype, device, structured)
+    return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured)
 
 
 def _trap_sigterm() -> list[bool]:
@@ -190,10 +238,13 @@ def _requests(job: JobSettings, prepared: Prepared, partitions: list[int], skip:
     for part in partitions:
         run = load_partition(job.data, job.engine.block_size, job.sampling, prepared, part, skip)
         totals.ideal_cached_tokens += run.ideal_cached_tokens
+        row_numbers = run.table[ROW]
         for index, message in run.errors:
-            writer.add(run.table, index, Outcome("", [], 0, 0, "error", message))
-            totals.add_error_row()
-            bar.update(1)
+            for sample in range(job.sampling.n):
+                if (row_numbers[index].as_py(), sample) not in run.written:
+                    writer.add(run.table, index, Outcome("", [], 0, 0, "error", message, _sample_column(job, sample)))
+                    totals.add_error_row()
+                bar.update(1)
         for request in run.requests:
             if stop[0]:
                 raise Interrupted
@@ -203,16 +254,20 @@ def _requests(job: JobSettings, prepared: Prepared, partitions: list[int], skip:
 def _drive(engine: Engine, requests: Iterator[tuple[PartitionRun, Request]], writer: ResultWriter,
            totals: JobTotals, bar: tqdm, stop: list[bool]) -> None:
     """The engine loop: feed requests, write each finished one, commit at the end or on SIGTERM."""
-    owners: dict[int, PartitionRun] = {}  # request id -> the partition it came from
+    owners: dict[int, list] = {}  # request id -> [the partition it came from, its result rows still to come]
 
     def feed() -> Iterator[Request]:
         for run, request in requests:
-            owners[request.request_id] = run
+            owners[request.request_id] = [run, request.sampling.n]
             yield request
 
     try:
         for request in engine.generate(feed()):
-            _record(owners.pop(request.request_id), request, writer, totals)
+            owner = owners[request.request_id]
+            owner[1] -= 1
+            if not owner[1]:
+                del owners[request.request_id]
+            _record(owner[0], request, writer, totals)
             bar.update(1)
             if totals.prompt_tokens:
                 bar.set_postfix(hit=f"{totals.cached_tokens / totals.prompt_tokens:.1%}", refresh=False)
@@ -224,23 +279,35 @@ def _drive(engine: Engine, requests: Iterator[tuple[PartitionRun, Request]], wri
 
 def load_partition(data: DataSettings, block_size: int, params: SamplingParams, prepared: Prepared, part: int,
                    skip: set) -> PartitionRun:
-    """Read one partition, drop rows already done, order the rest and turn them into requests."""
+    """Read one partition, drop rows already done, order the rest and turn them into requests: with task=score
+    a context request per row carrying its choices, with sampling.n > 1 sample 0 carrying the others."""
     table = read_parquet(partition_path(prepared.partitions_dir, part), None, PARTITION_REMEDY)
+    written = skip if params.n > 1 else set()
+    if params.n > 1:  # a row is done when all its samples are
+        skip = {i for i, count in Counter(i for i, _ in written).items() if count >= params.n}
     if skip:
         table = table.filter(pa.array([i not in skip for i in table[data.columns.id].to_pylist()]))
     sampling = partition_sampling(table, data.columns, params, prepared.model_config.max_positions)
     table = table.set_column(table.schema.get_field_index(ERROR), ERROR, pa.array(sampling.errors, pa.string()))
+    if written:
+        row_of = dict(zip(table[data.columns.id].to_pylist(), table[ROW].to_pylist()))
+        written = {(row_of[i], sample) for i, sample in written if i in row_of}
     order = run_order(table[TOKENS], table[NAMESPACE], table[ROW], table[ERROR], data.order)
     token_ids, namespaces = table[TOKENS].take(order), table[NAMESPACE].take(order)
     rows = table[ROW].take(order).to_pylist()
-    settings = [sampling.settings[i] for i in sampling.index[order].tolist()]
-    requests = [Request(row, ids, row_params, namespace) for row, ids, row_params, namespace
-                in zip(rows, token_ids.to_pylist(), settings, namespaces.to_pylist())]
+    if data.columns.choices:
+        choices = table[CHOICES].take(order).to_pylist()
+        requests = [score_request(row, ids, row_choices, namespace) for row, ids, row_choices, namespace
+                    in zip(rows, token_ids.to_pylist(), choices, namespaces.to_pylist())]
+    else:
+        settings = [sampling.settings[i] for i in sampling.index[order].tolist()]
+        requests = [with_samples(Request(row, ids, row_params, namespace)) for row, ids, row_params, namespace
+                    in zip(rows, token_ids.to_pylist(), settings, namespaces.to_pylist())]
     link_prefix_donors(requests, shared_with_previous(token_ids, namespaces, block_size))
     errors = [(i, message) for i, message in enumerate(sampling.errors) if message is not None]
     return PartitionRun(part, table, errors, requests, groups(token_ids, namespaces, block_size),
-                        dict(zip(rows, order.tolist())), len(requests),
-                        sum(reusable_tokens(token_ids, namespaces, block_size)))
+                        dict(zip(rows, order.tolist())), sum(r.sampling.n for r in requests),
+                        sum(reusable_tokens(token_ids, namespaces, block_size)), written)
 
 
 def link_prefix_donors(requests: list[Request], shared_blocks: np.ndarray) -> None:
@@ -253,10 +320,31 @@ def link_prefix_donors(requests: list[Request], shared_blocks: np.ndarray) -> No
 
 def _record(run: PartitionRun, request: Request, writer: ResultWriter, totals: JobTotals) -> None:
     """Write a finished request's row; when its partition is done, add the partition's group statistics."""
-    writer.add(run.table, run.position[request.request_id], Outcome(
-        request.output_text, request.output_token_ids, request.num_prompt_tokens, request.num_cached_tokens or 0,
-        request.finish_reason, request.error))
-    totals.add_finished(request)
+    index = run.position[request.request_id]
     run.unfinished -= 1
+    if (request.request_id, request.sample_index) in run.written:
+        return  # an earlier run committed this sample
+    writer.add(run.table, index, Outcome(
+        request.output_text, request.output_token_ids, request.num_row_prompt_tokens,
+        request.num_cached_tokens or 0, request.finish_reason, request.error, _result_columns(request)))
+    totals.add_finished(request)
     if run.unfinished == 0:
         totals.add_groups(run.part, run.groups, run.requests)
+
+
+def _sample_column(job: JobSettings, sample: int) -> dict:
+    return {"sample_index": sample} if job.sampling.n > 1 else {}
+
+
+def _result_columns(request: Request) -> dict:
+    """A finished request's columns beyond the plain output ones (writer.result_fields picks those a job writes)."""
+    columns: dict = {"sample_index": request.sample_index,
+                     "output_logprobs": request.output_logprobs if request.sampling.logprobs else None,
+                     "output_top_logprobs": [[{"token_id": t, "logprob": v} for t, v in top]
+                                             for top in request.output_top_logprobs] if request.sampling.logprobs
+                     else None}
+    scores = request.score
+    if scores is not None and request.error is None:
+        columns.update(choice_logprobs=scores.choice_logprobs(), choice_num_tokens=list(map(len, scores.choices)),
+                       choice_is_greedy=scores.is_greedy(), best_choice=scores.best_choice())
+    return columns

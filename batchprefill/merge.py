@@ -4,6 +4,7 @@ combines the shards' statistics into the single-job files under `stats/`.
 Completeness is judged against the partitions the job prepared (`output.dir/partitions`): they hold every input
 row with its id, so the merge needs neither the input nor the model. Exit status: 0 when complete; 1, with one
 line on stderr naming the missing or duplicated ids and the shards to rerun, when not; 2 for a config fault.
+With `sampling.n` > 1 a result is one (id, sample_index) pair, and every row needs each of its n samples once.
 
 How shard statistics combine into `stats/job.parquet`:
 - counts (requests, errors, tokens, evictions, preemptions) are summed;
@@ -41,7 +42,7 @@ from batchprefill.order import assign_shards
 from batchprefill.prepare import partition_path
 from batchprefill.run_figure import write_run_figure
 from batchprefill.settings import JobSettings
-from batchprefill.writer import write_atomic, write_records
+from batchprefill.writer import SAMPLE_INDEX, write_atomic, write_records
 
 SUMMED = ("num_requests", "num_errors", "prompt_tokens", "cached_tokens", "computed_prompt_tokens",
           "output_tokens", "evicted_blocks", "preemptions", "ideal_cached_tokens")
@@ -67,7 +68,7 @@ class Inputs:
     partition_tokens: list[int]
 
 
-def read_inputs(partitions_dir: Path, id_column: str) -> Inputs:
+def read_inputs(partitions_dir: Path, id_column: str, samples: int = 1) -> Inputs:
     manifest_file = partitions_dir / "manifest.json"
     if not manifest_file.exists():
         raise JobError(f"{partitions_dir} holds no prepared partitions: pass the output.dir that batchprefill-run "
@@ -86,15 +87,23 @@ def read_inputs(partitions_dir: Path, id_column: str) -> Inputs:
             raise JobError(f"{path} is missing: rerun the job into a fresh output.dir")
         remedy = f"delete {partitions_dir} and rerun the job into the same output.dir: it prepares them again, resumes"
         part_ids = read_parquet(path, [id_column], remedy)[id_column].to_pylist()
+        if samples > 1:
+            part_ids = [(i, sample) for i in part_ids for sample in range(samples)]
         ids.extend(part_ids)
         partition_of.update(dict.fromkeys(part_ids, index))
     return Inputs(ids, partition_of, manifest["partition_tokens"])
 
 
-def read_results(results_dir: Path, id_column: str) -> dict[str, list]:
-    """Ids per committed part; staging files (`.part-*.tmp`) of a killed writer are not parts."""
-    return {part.name: read_parquet(part, [id_column], _results_remedy(part.name))[id_column].to_pylist()
-            for part in sorted(results_dir.glob("part-*.parquet"))}
+def read_results(results_dir: Path, id_column: str, samples: bool = False) -> dict[str, list]:
+    """Ids per committed part, (id, sample_index) pairs with `samples`; staging files (`.part-*.tmp`) of a killed
+    writer are not parts."""
+    columns = [id_column, SAMPLE_INDEX.name] if samples else [id_column]
+    parts = {}
+    for part in sorted(results_dir.glob("part-*.parquet")):
+        table = read_parquet(part, columns, _results_remedy(part.name))
+        ids = table[id_column].to_pylist()
+        parts[part.name] = list(zip(ids, table[SAMPLE_INDEX.name].to_pylist())) if samples else ids
+    return parts
 
 
 def _results_remedy(name: str) -> str:
@@ -189,8 +198,8 @@ def merge(job: JobSettings) -> str:
     out = job.output.dir
     id_column = job.data.columns.id
     configured = job.data.configured_shards
-    inputs = read_inputs(out / "partitions", id_column)
-    parts = read_results(out / "results", id_column)
+    inputs = read_inputs(out / "partitions", id_column, job.sampling.n)
+    parts = read_results(out / "results", id_column, job.sampling.n > 1)
     num_shards, folders = shard_stats(out / "stats", configured)
     rows = check_complete(inputs, parts, _shards_for_report(configured, num_shards, parts), out / "results")
     if job.data.format == "openai_batch":

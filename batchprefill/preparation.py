@@ -55,4 +55,4 @@ def _max_prompt_tokens(job: JobSettings, model_config: ModelConfig) -> int:
     when their partition loads (request_params), so here only the model's context bounds them."""
     if "max_tokens" in job.data.columns.sampling:
         return model_config.max_positions - 1
-    return model_config.max_positions - job.sampling.max_tokens
+    return model_config.max_positions - (0 if job.task == "score" else job.sampling.max_tokens)

@@ -44,7 +44,8 @@ from batchprefill.unique_ids import check_unique_ids
 from batchprefill.units import readable_bytes
 
 ROW, TOKENS, ERROR, NAMESPACE = "_bp_row", "_bp_tokens", "_bp_error", "_bp_namespace"
-INTERNAL = (ROW, TOKENS, ERROR, NAMESPACE)
+CHOICES = "_bp_choices"  # task=score: each choice's token ids after the context
+INTERNAL = (ROW, TOKENS, ERROR, NAMESPACE, CHOICES)
 # Peak memory while one partition is read back and ordered, per byte of its Arrow table: Parquet decoding,
 # the table, the sort key (a copy of the token ids), the table taken in run order, the comparison scratch
 # (measured 4.0 to 4.7 on benchmarks/planning_scale.py's partitions).
@@ -268,7 +269,15 @@ def _tokenized(batch: pa.RecordBatch, offset: int, settings: PrepareSettings, to
     if columns.id not in table.column_names:
         table = table.append_column(columns.id, pa.array(row_numbers))
     texts, errors = _texts(table, settings, tokenizer)
+    spaces = None
+    if columns.choices:  # lm-eval's split: the context's trailing whitespace begins every choice
+        spaces = [text[len(text.rstrip()):] for text in texts]
+        texts = [text.rstrip() for text in texts]
     tokens = _token_column(texts, errors, settings.max_prompt_tokens, tokenizer)
+    if columns.choices:
+        choices = choice_tokens(table[columns.choices].to_pylist(), texts, spaces, tokens.to_pylist(), errors,
+                                settings.max_prompt_tokens, tokenizer)
+        table = table.append_column(CHOICES, pa.array(choices, pa.list_(pa.list_(pa.int32()))))
     if columns.namespace:
         namespaces = pc.fill_null(pc.cast(table[columns.namespace], pa.string()), "")
     else:
@@ -368,6 +377,54 @@ def _token_column(texts: list[str], errors: list[str | None], limit: int, tokeni
         lengths.append(counts)
     offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(values)))
+
+
+def choice_tokens(choices: list, contexts: list[str], spaces: list[str], context_tokens: list[list[int]],
+                  errors: list[str | None], limit: int, tokenizer) -> list[list[list[int]] | None]:
+    """Each row's choices as lm-evaluation-harness tokenizes them: the tokens of context + whitespace + choice
+    after the context's own tokens. A row with no choices, a null or empty choice, a choice that adds no token,
+    or a context and choice longer than `limit` (the model's context) gets an error instead."""
+    texts, owners = [], []
+    for row, (row_choices, error) in enumerate(zip(choices, errors)):
+        if error is not None:
+            continue
+        row_choices = [row_choices] if isinstance(row_choices, str) else row_choices
+        problem = _choices_error(row_choices)
+        if problem is not None:
+            errors[row] = problem
+            continue
+        texts += [contexts[row] + spaces[row] + choice for choice in row_choices]
+        owners += [row] * len(row_choices)
+    result: list[list[list[int]] | None] = [None] * len(choices)
+    for start in range(0, len(texts), ENCODE_ROWS):
+        encoded = tokenizer.encode_batch(texts[start : start + ENCODE_ROWS])
+        for row, whole in zip(owners[start : start + ENCODE_ROWS], encoded):
+            if errors[row] is not None:
+                continue
+            context = context_tokens[row]
+            choice = whole[len(context):]
+            index = len(result[row] or [])
+            if not choice:
+                errors[row] = f"choices[{index}] adds no token to the prompt"
+            elif len(context) + len(choice) > limit:
+                errors[row] = (f"prompt plus choices[{index}] have {len(context) + len(choice)} tokens; at most "
+                               f"{limit} fit (the model's context)")
+            else:
+                result[row] = [*(result[row] or []), choice]
+    return [None if error is not None else row for row, error in zip(result, errors)]
+
+
+def _choices_error(choices) -> str | None:
+    if choices is None:
+        return "choices is null"
+    if not isinstance(choices, list) or not choices:
+        return "choices is empty" if isinstance(choices, list) else f"choices is a {type(choices).__name__}"
+    for index, choice in enumerate(choices):
+        if choice is None:
+            return f"choices[{index}] is null"
+        if not isinstance(choice, str) or not choice:
+            return f"choices[{index}] is empty" if choice == "" else f"choices[{index}] is not a string"
+    return None
 
 
 def _partition_of(table: pa.Table, num_partitions: int, num_rows: int, settings: PrepareSettings) -> np.ndarray:

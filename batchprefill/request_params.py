@@ -39,6 +39,7 @@ def partition_sampling(table: pa.Table, columns: Columns, default: SamplingParam
     """Every row's settings, and an error for each row that cannot run under them: a constraint that is not
     valid, or a prompt that leaves less room than the row's max_tokens in the model's context."""
     settings, index, setting_errors = row_sampling(table, columns, default)
+    setting_errors = [error or _samples_error(params, default) for params, error in zip(settings, setting_errors)]
     errors = table[ERROR].to_pylist()
     bad = np.array([error is not None for error in setting_errors])[index]
     for row in np.flatnonzero(bad).tolist():
@@ -48,6 +49,15 @@ def partition_sampling(table: pa.Table, columns: Columns, default: SamplingParam
     for row, message in context_errors(prompt_tokens, max_tokens, max_positions).items():
         errors[row] = errors[row] or message
     return PartitionSampling(settings, index, errors)
+
+
+def _samples_error(params: SamplingParams, default: SamplingParams) -> str | None:
+    """Results, resume and the merge count a row's samples from the job's sampling.n, so a line's own n must
+    agree with it."""
+    if params.n == default.n:
+        return None
+    return (f"n={params.n} on this line but sampling.n={default.n}: every line of a job gets sampling.n samples; "
+            f"run the lines with n={params.n} in a job with sampling.n={params.n}")
 
 
 def row_sampling(table: pa.Table, columns: Columns, default: SamplingParams) -> tuple[list[SamplingParams],

@@ -9,7 +9,7 @@ checked, and no stage reads the raw config.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -82,11 +82,17 @@ class JobSettings:
     sampling: SamplingParams
     output: OutputSettings
     plan_link_gbps: float
+    task: str = "generate"  # generate | score
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> JobSettings:
-        return cls(data=_data(cfg), model=_model(cfg), engine=_engine(cfg), sampling=_sampling(cfg),
-                   output=_output(cfg), plan_link_gbps=_link_gbps(cfg))
+        task = str(cfg.get("task", "generate"))
+        _require(task in ("generate", "score"), f"task={task!r}: choose generate or score")
+        sampling = _sampling(cfg)
+        _require(task == "generate" or sampling.n == 1, f"task=score scores each choice once: set sampling.n=1, "
+                                                        f"not {sampling.n}")
+        return cls(data=_data(cfg, task), model=_model(cfg), engine=_engine(cfg), sampling=sampling,
+                   output=_output(cfg), plan_link_gbps=_link_gbps(cfg), task=task)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -94,11 +100,15 @@ def _require(ok: bool, message: str) -> None:
         raise JobError(message)
 
 
-def _data(cfg: DictConfig) -> DataSettings:
+def _data(cfg: DictConfig, task: str) -> DataSettings:
     d = cfg.data
     _require(d.order in ("prefix", "input"), f"data.order={d.order!r}: choose prefix or input")
     _require(d.read_batch_rows >= 1 and d.buffer_mb >= 1, "data.read_batch_rows and data.buffer_mb must be >= 1")
     columns = _columns(d)
+    if task == "score":
+        _require(d.format != "openai_batch", "task=score reads Parquet or datasets input, not data.format=openai_batch")
+        _require(bool(d.get("choices_column")), "task=score needs data.choices_column: the column of choices")
+        columns = replace(columns, choices=str(d.choices_column))
     return DataSettings(
         input=d.input, format=d.format, columns=columns, chat_template=bool(d.chat_template), order=d.order,
         sharding=_sharding(d.num_shards, d.shard_index), configured_shards=d.num_shards,

@@ -36,7 +36,7 @@ class JobTotals:
     def add_finished(self, request: Request) -> None:
         self.num_requests += 1
         self.num_errors += request.error is not None
-        self.prompt_tokens += request.num_prompt_tokens
+        self.prompt_tokens += request.num_row_prompt_tokens
         self.cached_tokens += request.num_cached_tokens or 0
         self.output_tokens += len(request.output_token_ids)
 
@@ -44,7 +44,7 @@ class JobTotals:
         """One stats/groups.parquet row per prefix group of a finished partition (ids unique across partitions)."""
         for number, group in enumerate(run_groups):
             members = requests[group.start : group.stop]
-            prompt = sum(r.num_prompt_tokens for r in members)
+            prompt = sum(r.num_row_prompt_tokens for r in members)
             cached = sum(r.num_cached_tokens or 0 for r in members)
             self.group_rows.append({
                 "group_id": (part << 32) | number, "num_requests": len(members),

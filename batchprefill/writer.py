@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,29 @@ OUTPUT_FIELDS = [
     pa.field("finish_reason", pa.string()),
     pa.field("error", pa.string()),
 ]
+SAMPLE_INDEX = pa.field("sample_index", pa.int32())  # with sampling.n > 1: which of a row's samples
+LOGPROB_FIELDS = [  # with sampling.logprobs
+    pa.field("output_logprobs", pa.list_(pa.float64())),
+    pa.field("output_top_logprobs", pa.list_(pa.list_(pa.struct([("token_id", pa.int32()),
+                                                                 ("logprob", pa.float64())])))),
+]
+SCORE_FIELDS = [  # task=score, in place of the output_* columns
+    pa.field("num_prompt_tokens", pa.int32()),
+    pa.field("num_cached_tokens", pa.int32()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("error", pa.string()),
+    pa.field("choice_logprobs", pa.list_(pa.float64())),
+    pa.field("choice_num_tokens", pa.list_(pa.int32())),
+    pa.field("choice_is_greedy", pa.list_(pa.bool_())),
+    pa.field("best_choice", pa.int32()),
+]
+
+
+def result_fields(task: str, samples: bool, logprobs: bool) -> list[pa.Field]:
+    """The columns a job adds to its input columns (INTERFACE.md, "What a run writes")."""
+    if task == "score":
+        return SCORE_FIELDS
+    return [SAMPLE_INDEX] * samples + OUTPUT_FIELDS + LOGPROB_FIELDS * logprobs
 
 
 def replace_atomic(path: Path, write: Callable[[Path], None]) -> None:
@@ -52,12 +75,15 @@ def save_png(figure: Figure, path: Path) -> None:
     replace_atomic(path, lambda staging: figure.savefig(staging, format="png", dpi=110))
 
 
-def done_ids(results_dir: Path, id_column: str) -> set:
-    """Ids already committed by earlier runs into this output folder."""
+def done_ids(results_dir: Path, id_column: str, samples: bool = False) -> set:
+    """Ids already committed by earlier runs into this output folder; with `samples`, (id, sample_index) pairs."""
     ids: set = set()
+    columns = [id_column, SAMPLE_INDEX.name] if samples else [id_column]
     for part in sorted(results_dir.glob("part-*.parquet")):
         remedy = "delete the part and rerun: its rows run again"
-        ids.update(read_parquet(part, [id_column], remedy)[id_column].to_pylist())
+        table = read_parquet(part, columns, remedy)
+        keys = table[id_column].to_pylist()
+        ids.update(zip(keys, table[SAMPLE_INDEX.name].to_pylist()) if samples else keys)
     return ids
 
 
@@ -69,15 +95,21 @@ class Outcome:
     output_token_ids: list[int]
     num_prompt_tokens: int
     num_cached_tokens: int
-    finish_reason: str
+    finish_reason: str | None
     error: str | None
+    columns: dict[str, object] = field(default_factory=dict)  # the job's other result columns (result_fields)
+
+    def value(self, name: str) -> object:
+        return getattr(self, name) if name in Outcome.__dataclass_fields__ else self.columns.get(name)
 
 
 class ResultWriter:
     """Buffers finished rows and commits them as Parquet parts of bounded size or age."""
 
-    def __init__(self, results_dir: Path, shard_index: int, every_rows: int, every_seconds: float):
+    def __init__(self, results_dir: Path, shard_index: int, every_rows: int, every_seconds: float,
+                 fields: list[pa.Field] = OUTPUT_FIELDS):
         self.results_dir = results_dir
+        self.fields = fields
         self.prefix = f"part-{shard_index:04d}-{time.time_ns():x}"
         self.every_rows = every_rows
         self.every_seconds = every_seconds
@@ -103,9 +135,9 @@ class ResultWriter:
             entry[2].append(outcome)
         for table, indices, outcomes in by_table.values():
             inputs = table.take(indices).drop_columns([c for c in INTERNAL if c in table.column_names])
-            for field in OUTPUT_FIELDS:
-                values = [getattr(o, field.name) for o in outcomes]
-                inputs = inputs.append_column(field, pa.array(values, type=field.type))
+            for column in self.fields:
+                values = [o.value(column.name) for o in outcomes]
+                inputs = inputs.append_column(column, pa.array(values, type=column.type))
             pieces.append(inputs)
         write_atomic(pa.concat_tables(pieces), self.results_dir / f"{self.prefix}-{self.parts:05d}.parquet")
         self.parts += 1

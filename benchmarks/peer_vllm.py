@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--outputs", type=Path)
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt; n > 1 samples at temperature 1")
     args = parser.parse_args()
 
     # Both cores for the worker (by default one is reserved), cache files out of the home folder, and a
@@ -65,14 +66,15 @@ def main() -> None:
         num_gpu_blocks_override=args.pool_tokens // args.block_size + 1,
         gpu_memory_utilization=0.5, disable_log_stats=False,
     )
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0 if args.n > 1 else 0.0, ignore_eos=True,
+                            n=args.n, seed=0 if args.n > 1 else None)
     ready = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     done = time.perf_counter()
 
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     cached = sum(o.num_cached_tokens or 0 for o in outputs)
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    output_tokens = sum(len(sample.token_ids) for o in outputs for sample in o.outputs)
     try:  # counters need disable_log_stats=False; a missing one must not cost the run
         counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     except Exception:  # noqa: BLE001

@@ -100,3 +100,15 @@ class BlockPool:
         if self.keys[block] is None and key not in self.cached:
             self.cached[key] = block
             self.keys[block] = key
+
+    def fork(self, table: Sequence[int], num_tokens: int, block_size: int) -> tuple[list[int], tuple[int, int] | None]:
+        """A child's block table for the first `num_tokens` tokens of a parent's `table`, and the (parent, child)
+        block pair whose KV the runner must copy: the child shares every full block (a reference each) and gets a
+        private block for the partial last one (copy-on-write), since its own tokens go there next. One block
+        must be available when `num_tokens` is not a multiple of `block_size`."""
+        shared = list(table[: num_tokens // block_size])
+        self.acquire(shared)
+        if num_tokens % block_size == 0:
+            return shared, None
+        private = self.allocate(1)[0]
+        return [*shared, private], (table[len(shared)], private)

@@ -1,4 +1,10 @@
-"""The engine loop: schedule a step, run it, sample, finish requests, record statistics."""
+"""The engine loop: schedule a step, run it, sample, fork, finish requests, record statistics.
+
+One forward pass serves three kinds of rows: sampled rows (one per sequence whose prompt is done), the rows
+that score choices (task=score), and the log-probabilities of sampled tokens where asked. A parent whose prompt
+completes in a step forks its children right after it: n-sample children draw their first token from the
+parent's logits of this very step, so the prompt is computed once for all of them.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +13,17 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from batchprefill.engine.block_pool import BlockPool
 from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.logprobs import append_logprobs, top_logprobs
 from batchprefill.engine.model_runner import ModelRunner
 from batchprefill.engine.request import Request
+from batchprefill.engine.sampler import fork_sampling, sample
 from batchprefill.engine.scheduler import Scheduler
+from batchprefill.engine.scoring import finish_scored, score_rows
 from batchprefill.engine.step import Step
 from batchprefill.model.decoder import DecoderModel
 
@@ -72,26 +82,41 @@ class Engine:
         self.counters = EngineCounters()
         self.rejected: list[Request] = []  # requests that can never fit the pool, returned by the next step
         self.structured = structured
+        # Set by the first request that asks: until then no step looks for forks, scoring rows or logprobs.
+        self.forking = False
+        self.scoring = False
+        self.logprobs = False
 
     def add(self, request: Request) -> None:
         capacity = self.config.num_blocks * self.config.block_size
-        if request.num_prompt_tokens + request.sampling.max_tokens > capacity:
-            request.error = (f"needs up to {request.num_prompt_tokens + request.sampling.max_tokens} KV slots "
-                             f"(prompt + sampling.max_tokens) but the pool holds {capacity}; "
-                             "raise engine.kv_cache_tokens")
-            self._reject(request)
+        need = max(r.num_prompt_tokens + r.sampling.max_tokens for r in (request, *request.forks))
+        self.forking |= bool(request.forks)
+        self.scoring |= request.score is not None
+        self.logprobs |= bool(request.sampling.logprobs)
+        if need > capacity:
+            request.error = (f"needs up to {need} KV slots (prompt + sampling.max_tokens, or context + choice) "
+                             f"but the pool holds {capacity}; raise engine.kv_cache_tokens")
+            self._reject_with_samples(request)
             return
         if request.sampling.constraint is not None:
             request.error = ("the engine was built without structured outputs" if self.structured is None
                              else self.structured.compile_error(request))
             if request.error is not None:
-                self._reject(request)
+                self._reject_with_samples(request)
                 return
         self.scheduler.add(request)
 
     def _reject(self, request: Request) -> None:
         self._finish(request, "error", "")
         self.rejected.append(request)
+
+    def _reject_with_samples(self, request: Request) -> None:
+        """A request that can never run, and its other samples (each a result row of its own), as error rows."""
+        samples = [c for c in request.forks if c.score is None]
+        request.forks = []
+        for rejected in (request, *samples):
+            rejected.error = request.error
+            self._reject(rejected)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.rejected)
@@ -106,28 +131,81 @@ class Engine:
             self._release(request)
         if step.chunks:
             inputs = self.runner.prepare(step)
+            scored = score_rows(step.chunks, inputs.query_start) if self.scoring else None
             masks = self.structured.start(step, inputs.sampled) if self.structured is not None else None
             clock.append(time.perf_counter())
-            logits = self.runner.forward(inputs)
+            logits = self.runner.forward(inputs, None if scored is None else scored.rows)
             clock.append(time.perf_counter())
-            # raw logprobs are read here, before a grammar masks the logits
-            if masks is not None:
+            num_sampled = len(inputs.logits_rows)
+            if scored is not None:
+                scored.record(logits[num_sampled:])
+                logits = logits[:num_sampled]
+            raw = logits
+            if masks is not None:  # logprobs stay the raw distribution: keep it apart only when both are asked
+                raw = logits.clone() if self.logprobs else logits
                 self.structured.mask(logits, masks)
-            tokens = self.runner.sample(logits, inputs).tolist()
+            tokens = self.runner.sample(logits, inputs)
+            sampled = [step.chunks[index].request for index in inputs.sampled.tolist()]
+            tops = self._logprobs(raw, tokens, sampled)
             clock.append(time.perf_counter())
             self.scheduler.commit(step)
-            chunks = step.chunks
-            for index, token in zip(inputs.sampled.tolist(), tokens):
-                request = chunks[index].request
+            if self.forking:
+                self._fork(logits, sampled, finished)
+            for position, (request, token) in enumerate(zip(sampled, tokens.tolist())):
+                if request.score is not None:
+                    self._done(request)
+                    row = finish_scored(request)
+                    if row is not None:
+                        finished.append(row)
+                    continue
+                if tops is not None and request.sampling.logprobs:
+                    append_logprobs(request.output_logprobs, request.output_top_logprobs, tops[position],
+                                    request.sampling.logprobs)
                 if self._append(request, token) or (self.structured is not None
                                                     and self._grammar_ends(request, token)):
-                    self.scheduler.finish(request)
-                    self._release(request)
+                    self._done(request)
                     finished.append(request)
         else:
             clock += clock[-1:] * 3
         self._record(step, clock, finished)
         return finished
+
+    def _done(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        self._release(request)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: np.ndarray, requests: list[Request]) -> np.ndarray | None:
+        """The step's `top_logprobs` rows (one per sampled row) when any of them asked, with the largest k asked."""
+        if not self.logprobs:
+            return None
+        k = max((r.sampling.logprobs or 0 for r in requests), default=0)
+        return top_logprobs(logits, torch.from_numpy(tokens), k) if k else None
+
+    def _fork(self, logits: torch.Tensor, sampled: list[Request], finished: list[Request]) -> None:
+        """Fork the children of every parent whose prompt this step completed. Sample children take their first
+        token from their parent's logits row, drawn from their own random streams, in one batched call."""
+        parents = [(position, r) for position, r in enumerate(sampled) if r.forks and not r.output_token_ids]
+        if not parents:
+            return
+        copies, rows, children = [], [], []
+        for position, parent in parents:
+            samples = [c for c in parent.forks if c.score is None]
+            copies += self.scheduler.fork(parent)
+            rows += [position] * len(samples)
+            children += samples
+        self.runner.copy_blocks(copies)
+        if not children:
+            return
+        parent_logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens = sample(parent_logits, fork_sampling(children))
+        tops = self._logprobs(parent_logits, tokens, children)
+        for position, (child, token) in enumerate(zip(children, tokens.tolist())):
+            if tops is not None and child.sampling.logprobs:
+                append_logprobs(child.output_logprobs, child.output_top_logprobs, tops[position],
+                                child.sampling.logprobs)
+            if self._append(child, token):
+                self._done(child)
+                finished.append(child)
 
     def generate(self, requests: Iterable[Request], lookahead: int | None = None) -> Iterator[Request]:
         """Feed requests in their given order, keeping only `lookahead` waiting, and yield them as they finish."""
@@ -187,7 +265,7 @@ class Engine:
         counts = self.pool.counts()
         self.counters.prefill_tokens += step.num_prefill_tokens
         self.counters.decode_tokens += step.num_decode_tokens
-        self.counters.finished_prompt_tokens += sum(r.num_prompt_tokens for r in finished)
+        self.counters.finished_prompt_tokens += sum(r.num_row_prompt_tokens for r in finished)
         self.counters.finished_cached_tokens += sum(r.num_cached_tokens or 0 for r in finished)
         now = time.perf_counter()
         schedule, prepare, forward, sample = (1e3 * (b - a) for a, b in zip(clock, clock[1:]))

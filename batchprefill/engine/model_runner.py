@@ -36,20 +36,32 @@ class ModelRunner:
     def prepare(self, step: Step) -> StepInputs:
         return self.batch.prepare(step)
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits `[R, vocab]` for the step's sampled rows."""
-        if self.decoder and inputs.is_decode_only and self.decoder.fits(len(inputs.input_ids)):
+    def forward(self, inputs: StepInputs, extra_rows: np.ndarray | None = None) -> torch.Tensor:
+        """Logits `[R + E, vocab]` for the step's sampled rows, then for `extra_rows` of the flat batch (the rows
+        that score choices)."""
+        rows = inputs.logits_rows if extra_rows is None else np.concatenate([inputs.logits_rows, extra_rows])
+        if (extra_rows is None and self.decoder and inputs.is_decode_only
+                and self.decoder.fits(len(inputs.input_ids))):
             return self.decoder.run(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
                                     inputs.block_tables)
         ids, positions, slots, query_start, seq_lens, tables, rows = self._to_device(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start, inputs.seq_lens,
-            inputs.block_tables, inputs.logits_rows)
+            inputs.block_tables, rows)
         meta = AttentionMetadata(
             query_start=query_start.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
             block_tables=tables.to(torch.int32), slot_mapping=slots,
             query_lens_host=np.diff(inputs.query_start).tolist(), seq_lens_host=inputs.seq_lens.tolist(),
         )
         return self.model(ids, positions, self.kv_caches, meta, rows)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write for forks: each (source, target) block's K and V, in every layer, in one op per tensor."""
+        if not copies:
+            return
+        source, target = (torch.tensor(side, device=self.device) for side in zip(*copies))
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[target] = k_cache[source]
+            v_cache[target] = v_cache[source]
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> np.ndarray:
         return sample(logits, inputs.sampling, self._argmax)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from batchprefill.engine.constraint import Constraint
+
+if TYPE_CHECKING:
+    from batchprefill.engine.scoring import ChoiceScores
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,12 @@ class Request:
     error: str | None = None
     sample_index: int = 0  # which of a prompt's samples this is: part of its random stream's key
     batch_row: int = -1  # its row in the model runner's persistent batch while it runs, else -1
+    # Children to fork once this request's prompt is computed: they share its full blocks and copy its partial one.
+    forks: list[Request] = field(default_factory=list)
+    score: ChoiceScores | None = None  # task=score: the row's choice scores, shared by the context and its children
+    choice_index: int = -1  # task=score: which choice this child scores; -1 for the context itself
+    output_logprobs: list[float] = field(default_factory=list)  # with sampling.logprobs: one per output token
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # The request before it in run order when the order stage found their first `donor_blocks` full blocks
     # equal (same tokens, same namespace): the scheduler then copies those block keys instead of hashing them.
     # On benchmarks/host_overhead.py (1,500 shared tokens per prompt) hashing was most of the scheduler's time.
@@ -58,6 +68,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_row_prompt_tokens(self) -> int:
+        """Prompt tokens as the row reports them: with task=score, the context plus every choice."""
+        return self.num_prompt_tokens + (self.score.choice_tokens if self.score and self.choice_index < 0 else 0)
 
     @property
     def num_tokens(self) -> int:
@@ -76,3 +91,10 @@ class Request:
     def is_decoding(self) -> bool:
         """All tokens but the last sampled one are in the cache: the next step computes one token."""
         return self.num_computed_tokens == self.num_tokens - 1 and bool(self.output_token_ids)
+
+
+def with_samples(request: Request) -> Request:
+    """The request as sample 0 of `sampling.n`, carrying samples 1..n-1 as children that fork after its prompt."""
+    request.forks = [Request(request.request_id, request.prompt_token_ids, request.sampling, request.namespace,
+                             sample_index=index) for index in range(1, request.sampling.n)]
+    return request

@@ -48,6 +48,16 @@ class SamplingBatch:
     counters: np.ndarray  # int64: outputs each row already has (the index of the token drawn now)
 
 
+def fork_sampling(requests: list) -> SamplingBatch:
+    """The settings of requests that draw their first token from a parent's logits (forked samples): each from
+    its own stream, key (seed, id, sample index), at counter 0."""
+    params = [r.sampling for r in requests]
+    return SamplingBatch(np.array([p.temperature for p in params], np.float32),
+                         np.array([p.top_k for p in params], np.int32), np.array([p.top_p for p in params], np.float32),
+                         np.array([request_key(p.seed, r.request_id, r.sample_index) for p, r in zip(params, requests)],
+                                  np.uint64), np.zeros(len(requests), np.int64))
+
+
 Argmax = Callable[[torch.Tensor], torch.Tensor]
 
 

@@ -5,6 +5,11 @@ prefill chunks, first of requests already part-way through their prompt, then of
 waiting request whose next uncached block is being computed by another request right now is held
 back until that block is cached, so a prefix shared by a whole group is computed once. When the pool
 cannot hold a step's KV, the newest running request is preempted and recomputed later.
+
+A request may carry children to fork once its prompt is computed (n samples, the choices of a score): each
+child shares the parent's full blocks and gets a copy of its partial one, so the prompt is computed once. A
+parent is admitted only with sequence slots (and, with `reserve_growth`, blocks) for its children too; a
+child that finds no slot or block at fork time waits instead, and recomputes only what the cache lost.
 """
 
 from __future__ import annotations
@@ -37,11 +42,13 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.in_flight: dict[bytes, Request] = {}  # keys of blocks some request is computing right now
         self.preemptions = 0
+        self.fork_slots = 0  # sequence slots held for the children of running requests, forked later
         self._preempted: list[Request] = []  # this step's, handed out with it
         # Sums over the running requests, kept as they change so admission need not visit every running
         # request each step: their final block counts (prompt + max_tokens) and the blocks they hold.
         self._final_blocks = 0
         self._held_blocks = 0
+        self._pending_fork_blocks = 0  # what the children not yet forked will claim beyond the blocks they share
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -134,6 +141,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self.fork_slots -= len(request.forks)
+        self._pending_fork_blocks -= self._fork_growth(request)
         self._release(request)
         request.num_computed_tokens = 0
         request.status = Status.WAITING
@@ -154,6 +163,15 @@ class Scheduler:
         """Blocks a request holds at most: its whole prompt plus max_tokens outputs."""
         return cdiv(request.num_prompt_tokens + request.sampling.max_tokens, self.block_size)
 
+    def _fork_growth(self, request: Request) -> int:
+        """Blocks the children of a request will claim beyond the full blocks they share with it."""
+        shared = request.num_prompt_tokens // self.block_size
+        return sum(self._final(c) - shared for c in request.forks)
+
+    def _reserved(self) -> int:
+        """Blocks the running requests may still claim, their children's included."""
+        return self._final_blocks - self._held_blocks + self._pending_fork_blocks
+
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         """Admit waiting requests in order while budget, sequence slots and blocks last.
 
@@ -162,9 +180,12 @@ class Scheduler:
         recompute. Without it, admission looks at this step only and preemption resolves overcommitment.
         """
         held_back: list[Request] = []
-        reserved = self._final_blocks - self._held_blocks if self.reserve_growth else 0  # running growth
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        reserved = self._reserved() if self.reserve_growth else 0
+        while self.waiting and budget > 0 and len(self.running) + self.fork_slots < self.max_num_seqs:
             request = self.waiting.popleft()
+            if self.running and len(self.running) + self.fork_slots + 1 + len(request.forks) > self.max_num_seqs:
+                self.waiting.appendleft(request)  # no slots for its children yet; alone, they wait instead
+                break
             hits, next_key = self._match(request)
             if next_key is not None and next_key in self.in_flight:
                 held_back.append(request)  # its prefix is being filled by another request: wait for it
@@ -174,7 +195,10 @@ class Scheduler:
             need = cdiv(cached + count, self.block_size) - len(hits)
             claim = need
             if self.reserve_growth:
-                claim = max(need, self._final(request) - len(hits)) + reserved
+                # Children's growth is held too, unless nothing runs: then it might exceed the pool, and children
+                # that find no room at fork time wait instead (see `fork`).
+                children = self._fork_growth(request) if self.running else 0
+                claim = max(need, self._final(request) - len(hits)) + children + reserved
             if claim > self.pool.num_available - sum(self.pool.ref_counts[b] == 0 for b in hits):
                 self.waiting.appendleft(request)
                 break
@@ -190,6 +214,8 @@ class Scheduler:
             self._claim_in_flight(request, len(hits))
             request.status = Status.RUNNING
             self.running.append(request)
+            self.fork_slots += len(request.forks)
+            self._pending_fork_blocks += self._fork_growth(request)
             chunks.append(ScheduledChunk(request, count))
             budget -= count
         self.waiting.extendleft(reversed(held_back))
@@ -249,7 +275,46 @@ class Scheduler:
             if request.num_computed_tokens // size > before:
                 self._cache_full_blocks(request, before)
 
+    def fork(self, parent: Request) -> list[tuple[int, int]]:
+        """Start the children of a parent whose prompt is now computed; returns the (parent, child) blocks whose
+        KV the runner copies before the next forward pass.
+
+        A child skips admission: it holds the parent's prompt as computed and cached (its own tokens are all that
+        is left to compute). Without a free sequence slot or block it waits, to be admitted like any request.
+        """
+        self._pending_fork_blocks -= self._fork_growth(parent)
+        children, parent.forks = parent.forks, []
+        self.fork_slots -= len(children)
+        copies = []
+        computed = parent.num_prompt_tokens
+        shared = computed // self.block_size
+        # With reserved growth a child forks only if its own growth fits beside every running request's.
+        spare = self.pool.num_available - (self._reserved() if self.reserve_growth else 0)
+        for child in children:
+            growth = self._final(child) - shared
+            needs = growth if self.reserve_growth else int(computed % self.block_size != 0)
+            if len(self.running) >= self.max_num_seqs or spare < needs:
+                self.waiting.appendleft(child)
+                continue
+            spare -= needs
+            child.block_table, copy = self.pool.fork(parent.block_table, computed, self.block_size)
+            if copy is not None:
+                copies.append(copy)
+            child.block_hashes = parent.block_hashes[: computed // self.block_size]
+            child.num_computed_tokens = computed
+            child.num_cached_tokens = min(computed, child.num_prompt_tokens)
+            child.status = Status.RUNNING
+            self.running.append(child)
+            self._held_blocks += len(child.block_table)
+            self._final_blocks += self._final(child)
+        return copies
+
     def finish(self, request: Request) -> None:
-        self.running.remove(request)
-        self._release(request)
+        """A request is done: a running one gives its blocks back; a waiting one (a child that finished on the
+        token its parent's logits gave it) leaves the queue."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self._release(request)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
         request.status = Status.FINISHED
