@@ -21,7 +21,7 @@ from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.logprobs import append_logprobs, top_logprobs
 from batchprefill.engine.model_runner import ModelRunner
 from batchprefill.engine.request import Request
-from batchprefill.engine.sampler import fork_sampling, sample
+from batchprefill.engine.sampler import fork_sampling
 from batchprefill.engine.scheduler import Scheduler
 from batchprefill.engine.scoring import finish_scored, score_rows
 from batchprefill.engine.step import Step
@@ -144,7 +144,7 @@ class Engine:
             if masks is not None:  # logprobs stay the raw distribution: keep it apart only when both are asked
                 raw = logits.clone() if self.logprobs else logits
                 self.structured.mask(logits, masks)
-            tokens = self.runner.sample(logits, inputs)
+            tokens = self.runner.sample(logits, inputs.sampling)
             sampled = [step.chunks[index].request for index in inputs.sampled.tolist()]
             tops = self._logprobs(raw, tokens, sampled)
             clock.append(time.perf_counter())
@@ -197,7 +197,7 @@ class Engine:
         if not children:
             return
         parent_logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens = sample(parent_logits, fork_sampling(children))
+        tokens = self.runner.sample(parent_logits, fork_sampling(children))
         tops = self._logprobs(parent_logits, tokens, children)
         for position, (child, token) in enumerate(zip(children, tokens.tolist())):
             if tops is not None and child.sampling.logprobs:

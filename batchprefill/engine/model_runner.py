@@ -9,7 +9,7 @@ from batchprefill.engine.decode_graphs import PaddedDecode
 from batchprefill.engine.input_batch import InputBatch, StepInputs
 from batchprefill.engine.kv_cache import allocate_kv_caches
 from batchprefill.engine.request import Request
-from batchprefill.engine.sampler import argmax_for, sample
+from batchprefill.engine.sampler import SamplingBatch, argmax_for, sample
 from batchprefill.engine.step import Step
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.model.decoder import DecoderModel
@@ -63,8 +63,9 @@ class ModelRunner:
             k_cache[target] = k_cache[source]
             v_cache[target] = v_cache[source]
 
-    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> np.ndarray:
-        return sample(logits, inputs.sampling, self._argmax)
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
+        """Tokens for the logits rows, with this device's greedy pick (a step's rows and forked samples' alike)."""
+        return sample(logits, batch, self._argmax)
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """The step's index arrays as int64 tensors on the device. On the CPU they are views of the arrays; on a

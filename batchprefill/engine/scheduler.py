@@ -103,14 +103,20 @@ class Scheduler:
             budget -= 1
         num_decode = len(chunks)
 
-        partway = self.running if num_decode < len(self.running) else ()  # a pure decode step skips this pass
+        partway = list(self.running) if num_decode < len(self.running) else ()  # a pure decode step skips this
         for request in partway:  # then prompts already part-way through
             if budget == 0:
                 break
-            if request.is_decoding or id(request) in scheduled:
+            if request.is_decoding or id(request) in scheduled or request.status is not Status.RUNNING:
                 continue
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
-            count = min(count, self._room_for(request))
+            count = min(request.num_tokens - request.num_computed_tokens, budget, self._room_for(request))
+            if count <= 0 and not chunks:
+                # Nothing else runs and the pool is full (forked children can fill it between steps): free room
+                # by preempting the newest other request, else no step would ever run again.
+                victim = next((r for r in reversed(self.running) if r is not request), None)
+                if victim is not None:
+                    self._preempt(victim)
+                    count = min(request.num_tokens - request.num_computed_tokens, budget, self._room_for(request))
             if count <= 0:
                 break
             self._reserve(request, count, scheduled)
@@ -141,8 +147,6 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.fork_slots -= len(request.forks)
-        self._pending_fork_blocks -= self._fork_growth(request)
         self._release(request)
         request.num_computed_tokens = 0
         request.status = Status.WAITING
@@ -157,6 +161,8 @@ class Scheduler:
         self.pool.release(request.block_table)
         self._held_blocks -= len(request.block_table)
         self._final_blocks -= self._final(request)
+        self.fork_slots -= len(request.forks)  # children not forked yet: their slots and growth are no longer held
+        self._pending_fork_blocks -= self._fork_growth(request)
         request.block_table = []
 
     def _final(self, request: Request) -> int:
