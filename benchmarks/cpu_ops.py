@@ -11,6 +11,9 @@
 3. Decode attention with shared prefixes: 96 decodes in 24 groups of 4 (a 400-token prefix shared by each
    group, 40 own tokens each), through shared-prefix group attention against each sequence gathering its
    whole context into one padded fused call (what the torch path did before prefix groups).
+4. Decode attention with short and long answers: 81 decodes in 9 groups of 9 (a 400-token prefix each, 40 or
+   450 own tokens), each decode's own blocks read in place by the C++ kernel (`kernels/paged_decode.py`)
+   against gathered into a padded copy before one fused call (the torch path before the kernel).
 
 Times are medians of repeated calls after warm-up; ratios are what carry to other machines.
 """
@@ -112,8 +115,21 @@ def attention_rows(repeat: int) -> list[dict]:
     assert torch.allclose(ours_out, base_out, atol=1e-4), "group attention disagrees with the baseline"
     plain = median_ms(lambda: padded_per_sequence(query, k_cache, v_cache, meta, scale), repeat)
     ours = median_ms(lambda: ops.attention(query, k_cache, v_cache, meta, scale), repeat)  # plan cached per step
-    return [{"op": "decode attention, 24 groups x 4", "tokens": meta.num_seqs, "baseline_ms": plain, "ours_ms": ours,
+    rows = [{"op": "decode attention, 24 groups x 4", "tokens": meta.num_seqs, "baseline_ms": plain, "ours_ms": ours,
              "speedup": plain / ours, "ours_gflops": None}]
+    # long answers: each decode's own blocks read in place by the C++ kernel against gathered into a padded copy
+    gathering = TorchOps(native=False)
+    for own in (40, 450):
+        query, k_cache, v_cache, meta = decode_batch(groups=9, members=9, prefix=400, own=own)
+        plan = ops.plan(meta, k_cache, HEADS, query.dtype)  # the plan is the same for both: built once per step
+        in_place = ops.attention(query, k_cache, v_cache, plan, scale)
+        assert torch.allclose(in_place, gathering.attention(query, k_cache, v_cache, plan, scale), atol=1e-4)
+        plain = median_ms(lambda: gathering.attention(query, k_cache, v_cache, plan, scale), repeat)  # noqa: B023
+        ours = median_ms(lambda: ops.attention(query, k_cache, v_cache, plan, scale), repeat)  # noqa: B023
+        rows.append({"op": f"decode attention, 9 groups x 9, 400 shared + {own} own tokens (in place vs gathered)",
+                     "tokens": meta.num_seqs, "baseline_ms": plain, "ours_ms": ours, "speedup": plain / ours,
+                     "ours_gflops": None})
+    return rows
 
 
 def chunk_rows(repeat: int) -> list[dict]:

@@ -1,8 +1,9 @@
 """`TorchOps`: the `Ops` interface in plain torch, the CPU path and the reference for the kernels.
 
-On the CPU, a step's decodes and short chunks go through shared-prefix group attention (`prefix_groups.py`):
-a few fused calls for the whole step, each group's shared blocks read once. Chunks too long for its dense
-mask run one fused call each.
+On the CPU, a step's decodes go through shared-prefix decode attention (`decode_groups.py`): each group's shared
+blocks read once, each decode's own blocks read in place by the C++ kernel (`paged_decode.py`). Short chunks go
+through group attention (`prefix_groups.py`): a few fused calls for the whole step. Chunks too long for its
+dense mask run one fused call each.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from batchprefill.intmath import cdiv
-from batchprefill.kernels.decode_groups import DecodePlan, decode_attention, plan_decodes
+from batchprefill.kernels import paged_decode
+from batchprefill.kernels.decode_groups import DecodePlan, decode_attention, gathered, in_place, plan_decodes
 from batchprefill.kernels.experts import torch_experts
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.prefix_groups import GroupBatch, batch_groups, find_groups, group_attention, pad_batch
@@ -57,6 +59,12 @@ class TorchOps:
 
     graph_safe_decode = False  # its batched decode builds index tensors on the host
 
+    def __init__(self, native: bool = True):
+        """`native`: decodes read the pool in place through the C++ kernel where it builds (`paged_decode.py`);
+        otherwise, and where it cannot be built, each decode's blocks are gathered into a padded copy."""
+        kernel = paged_decode.load() if native else None
+        self._attend = in_place(kernel) if kernel is not None else gathered
+
     def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
              ) -> AttentionMetadata:
         """Group the step's sequences once for all layers: decodes by the prefix they share (decode_groups.py),
@@ -93,7 +101,7 @@ class TorchOps:
             meta = self.plan(meta, k_cache, query.shape[1], query.dtype)
         out = torch.empty_like(query)
         if meta.plan.decodes is not None:
-            decode_attention(query, k_cache, v_cache, scale, meta.plan.decodes, out)
+            decode_attention(query, k_cache, v_cache, scale, meta.plan.decodes, out, self._attend)
         for batch in meta.plan.batches:
             group_attention(query, k_cache, v_cache, scale, batch, out)
         for s in meta.plan.alone:

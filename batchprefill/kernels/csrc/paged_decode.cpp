@@ -1,0 +1,296 @@
+// Decode attention read where the KV lies in the paged pool: no gathered copy of any context.
+//
+// One work item is one query set (a decode, or a group of decodes sharing a prefix) against its list of
+// blocks. It walks the blocks in order, each block a contiguous [block, kv_heads, dim] run of the pool, and
+// keeps an online softmax (running max, running sum, weighted values) per query row, so every key and value
+// is read from memory once, straight from the pool. Items run in parallel on the OpenMP runtime torch has
+// already loaded (the library links libgomp.so.1, which resolves to torch's copy), so the kernel and torch's
+// ops share one thread pool.
+//
+// Layouts (all contiguous):
+//   query   [items, kv_heads, rows, dim] float32: rows = the query heads of one KV head (x group members)
+//   k, v    [num_blocks, block, kv_heads, dim] float32 or bfloat16 (raw uint16 bits)
+//   blocks  [items, width] int64 block ids; lens [items] int64 tokens to read (from the first listed block)
+//   out     [items, kv_heads, rows, dim] float32; lse [items, kv_heads, rows] float32 (natural log;
+//           -inf where an item reads no token)
+
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline void widen(const float* source, float* target, int64_t count) { std::memcpy(target, source, count * 4); }
+
+inline void widen(const uint16_t* source, float* target, int64_t count) {
+#pragma omp simd
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits = static_cast<uint32_t>(source[i]) << 16;
+    std::memcpy(&target[i], &bits, 4);
+  }
+}
+
+// exp(x) for x <= 0 (every exponent here is a score minus a running maximum), written so loops over it
+// vectorize: Cephes' expf polynomial on x - n ln2, times 2^n built in the exponent bits (relative error about
+// 1e-7; below -87, where expf is under 1.7e-38, it returns 2^-126, nothing beside the maximum's exp(0) = 1).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float power;
+  std::memcpy(&power, &bits, 4);
+  return p * power;
+}
+
+// The two inner products. With AVX-512 and a head size that is a multiple of 16 (64, 128...): a dot product
+// reduced once by a shuffle tree (the compiler's reduction of a plain loop ends in 16 dependent scalar adds,
+// most of the kernel's time), and each row's output kept in registers across a block's tokens.
+#if defined(__AVX512F__)
+constexpr bool kWide = true;
+
+// Up to four rows' dot products with one key, reduced together (three horizontal adds for all four instead
+// of a shuffle tree each): scores[r * stride] = scale * q_r . key for r < n. A missing row repeats the last.
+inline void dot_rows(const float* query, int64_t n, const float* key, int64_t dim, float scale, float* scores,
+                     int64_t stride) {
+  const float* q1 = query + std::min<int64_t>(1, n - 1) * dim;
+  const float* q2 = query + std::min<int64_t>(2, n - 1) * dim;
+  const float* q3 = query + std::min<int64_t>(3, n - 1) * dim;
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m512 k = _mm512_loadu_ps(key + d);
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(query + d), k, a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + d), k, a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + d), k, a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + d), k, a3);
+  }
+  auto halve = [](__m512 x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  };
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(halve(a0), halve(a1)), _mm256_hadd_ps(halve(a2), halve(a3)));
+  alignas(16) float sums[4];
+  _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+  for (int64_t r = 0; r < n; ++r) scores[r * stride] = scale * sums[r];
+}
+
+// exp_nonpositive on 16 lanes (the same steps as the scalar one): the compiler left that loop scalar.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i power = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(power));
+}
+
+// scores[0:count] = exp(scores - running); returns their sum (count lanes at a time, masked at the end).
+inline float exponentiate(float* scores, int64_t count, float running) {
+  __m512 total = _mm512_setzero_ps();
+  const __m512 shift = _mm512_set1_ps(running);
+  for (int64_t t = 0; t < count; t += 16) {
+    const __mmask16 lanes = count - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - t)) - 1);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + t), shift));
+    _mm512_mask_storeu_ps(scores + t, lanes, e);
+    total = _mm512_mask_add_ps(total, lanes, total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+// acc[0:dim] = acc * rescale + sum over t of weights[t] * values[t * stride : t * stride + dim]
+inline void accumulate(const float* weights, const float* values, int64_t count, int64_t stride, float rescale,
+                       float* acc, int64_t dim) {
+  const __m512 factor = _mm512_set1_ps(rescale);
+  for (int64_t d = 0; d < dim; d += 16) {
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(acc + d), factor);
+    for (int64_t t = 0; t < count; ++t)
+      sum = _mm512_fmadd_ps(_mm512_set1_ps(weights[t]), _mm512_loadu_ps(values + t * stride + d), sum);
+    _mm512_storeu_ps(acc + d, sum);
+  }
+}
+#else
+constexpr bool kWide = false;
+#endif
+
+inline float dot_plain(const float* a, const float* b, int64_t dim) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < dim; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+inline void accumulate_plain(const float* weights, const float* values, int64_t count, int64_t stride,
+                             float rescale, float* acc, int64_t dim) {
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) acc[d] *= rescale;
+  for (int64_t t = 0; t < count; ++t) {
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) acc[d] += weights[t] * values[t * stride + d];
+  }
+}
+
+// The next block's keys and values, requested while this block computes: blocks lie anywhere in the pool, so
+// each is a fresh 12 KB stream (SmolLM2: 16 tokens x 3 KV heads x 64) that the hardware prefetcher would only
+// pick up halfway; the loads then stalled the kernel most of its time.
+template <typename Cache>
+inline void prefetch(const Cache* k_cache, const Cache* v_cache, int64_t offset, int64_t count) {
+  const char* k = reinterpret_cast<const char*>(k_cache + offset);
+  const char* v = reinterpret_cast<const char*>(v_cache + offset);
+  for (int64_t byte = 0; byte < count * static_cast<int64_t>(sizeof(Cache)); byte += 64) {
+    __builtin_prefetch(k + byte);
+    __builtin_prefetch(v + byte);
+  }
+}
+
+template <bool Wide, typename Cache>
+void attend(const float* query, const Cache* k_cache, const Cache* v_cache, const int64_t* blocks,
+            const int64_t* lens, int64_t items, int64_t width, int64_t block, int64_t kv_heads, int64_t rows,
+            int64_t dim, float scale, float* out, float* lse, int threads) {
+  const int64_t token_stride = kv_heads * dim;
+  const int64_t block_stride = block * token_stride;
+  const int64_t head_rows = rows * dim;
+#pragma omp parallel num_threads(threads)
+  {
+    // Per thread: one block's keys and values as float32 (a copy only for bfloat16), its scores, and the
+    // online softmax state of every (head, row).
+    std::vector<float> keys(block_stride), values(block_stride), scores(kv_heads * rows * block);
+    std::vector<float> maxes(kv_heads * rows), sums(kv_heads * rows), rescales(kv_heads * rows);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const float* q = query + item * kv_heads * head_rows;
+      float* o = out + item * kv_heads * head_rows;
+      std::fill(o, o + kv_heads * head_rows, 0.0f);
+      std::fill(maxes.begin(), maxes.end(), -FLT_MAX);
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      const int64_t length = lens[item];
+      for (int64_t b = 0; b * block < length; ++b) {
+        const int64_t count = std::min(block, length - b * block);
+        const int64_t offset = blocks[item * width + b] * block_stride;
+        const int64_t next = (b + 1) * block < length ? blocks[item * width + b + 1] * block_stride : -1;
+        const float* k;
+        const float* v;
+        if constexpr (std::is_same_v<Cache, float>) {
+          k = k_cache + offset;
+          v = v_cache + offset;
+        } else {
+          widen(k_cache + offset, keys.data(), count * token_stride);
+          widen(v_cache + offset, values.data(), count * token_stride);
+          k = keys.data();
+          v = values.data();
+        }
+        const int64_t states = kv_heads * rows;
+        // Scores token by token, so the block is read front to back (the next block's same token is requested
+        // meanwhile), then each (head, row)'s online softmax, then values token by token.
+        for (int64_t t = 0; t < count; ++t) {
+          if (next >= 0) prefetch(k_cache, v_cache, next + t * token_stride, token_stride);
+          const float* kt = k + t * token_stride;
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            for (int64_t r = 0; r < rows; r += 4) {
+              const float* qr = q + h * head_rows + r * dim;
+              float* score = scores.data() + (h * rows + r) * block + t;
+              if constexpr (Wide) {
+                dot_rows(qr, std::min<int64_t>(4, rows - r), kt + h * dim, dim, scale, score, block);
+              } else {
+                for (int64_t i = 0; i < std::min<int64_t>(4, rows - r); ++i)
+                  score[i * block] = scale * dot_plain(qr + i * dim, kt + h * dim, dim);
+              }
+            }
+          }
+        }
+        for (int64_t state = 0; state < states; ++state) {
+          float* score = scores.data() + state * block;
+          float running = maxes[state];
+          for (int64_t t = 0; t < count; ++t) running = std::max(running, score[t]);
+          rescales[state] = exp_nonpositive(maxes[state] - running);
+          maxes[state] = running;
+          float added = 0.0f;
+          if constexpr (Wide) {
+            added = exponentiate(score, count, running);
+          } else {
+            for (int64_t t = 0; t < count; ++t) {
+              score[t] = exp_nonpositive(score[t] - running);
+              added += score[t];
+            }
+          }
+          sums[state] = sums[state] * rescales[state] + added;
+        }
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t state = h * rows + r;
+            float* acc = o + h * head_rows + r * dim;
+            if constexpr (Wide) {
+              accumulate(scores.data() + state * block, v + h * dim, count, token_stride, rescales[state], acc, dim);
+            } else {
+              accumulate_plain(scores.data() + state * block, v + h * dim, count, token_stride, rescales[state], acc,
+                               dim);
+            }
+          }
+        }
+      }
+      for (int64_t state = 0; state < kv_heads * rows; ++state) {
+        float* acc = o + state * dim;
+        if (length <= 0) {
+          lse[item * kv_heads * rows + state] = -INFINITY;
+          continue;
+        }
+        const float inverse = 1.0f / sums[state];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) acc[d] *= inverse;
+        lse[item * kv_heads * rows + state] = maxes[state] + std::log(sums[state]);
+      }
+    }
+  }
+}
+
+template <typename Cache>
+void run(const float* query, const Cache* k_cache, const Cache* v_cache, const int64_t* blocks, const int64_t* lens,
+         int64_t items, int64_t width, int64_t block, int64_t kv_heads, int64_t rows, int64_t dim, float scale,
+         float* out, float* lse, int threads) {
+  if (kWide && dim % 16 == 0) {
+    attend<kWide>(query, k_cache, v_cache, blocks, lens, items, width, block, kv_heads, rows, dim, scale, out, lse,
+                  threads);
+  } else {
+    attend<false>(query, k_cache, v_cache, blocks, lens, items, width, block, kv_heads, rows, dim, scale, out, lse,
+                  threads);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void paged_decode_f32(const float* query, const float* k_cache, const float* v_cache, const int64_t* blocks,
+                      const int64_t* lens, int64_t items, int64_t width, int64_t block, int64_t kv_heads,
+                      int64_t rows, int64_t dim, float scale, float* out, float* lse, int threads) {
+  run(query, k_cache, v_cache, blocks, lens, items, width, block, kv_heads, rows, dim, scale, out, lse, threads);
+}
+
+void paged_decode_bf16(const float* query, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* blocks,
+                       const int64_t* lens, int64_t items, int64_t width, int64_t block, int64_t kv_heads,
+                       int64_t rows, int64_t dim, float scale, float* out, float* lse, int threads) {
+  run(query, k_cache, v_cache, blocks, lens, items, width, block, kv_heads, rows, dim, scale, out, lse, threads);
+}
+}
