@@ -66,8 +66,11 @@ def main() -> None:
         num_gpu_blocks_override=args.pool_tokens // args.block_size + 1,
         gpu_memory_utilization=0.5, disable_log_stats=False,
     )
+    # No per-request seed: vLLM 0.32's CPU runner dies on one whenever a prompt spans several chunked-prefill
+    # steps (`_bookkeeping_sync` rewinds the request's generator: "CPU Generator does not use offset", an
+    # EngineDeadError for the whole run). The engine's seed=0 above keeps the run reproducible.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0 if args.n > 1 else 0.0, ignore_eos=True,
-                            n=args.n, seed=0 if args.n > 1 else None)
+                            n=args.n)
     ready = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     done = time.perf_counter()

@@ -120,15 +120,43 @@ inline float exponentiate(float* scores, int64_t count, float running) {
   return _mm512_reduce_add_ps(total);
 }
 
-// acc[0:dim] = acc * rescale + sum over t of weights[t] * values[t * stride : t * stride + dim]
+// acc[0:dim] = acc * rescale + sum over t of weights[t] * values[t * stride : t * stride + dim], the row held in
+// registers, even and odd tokens in separate sums: one chain of dependent FMAs per 16 lanes was the kernel's
+// bound (16 tokens x 4 cycles per block), more than its loads.
+template <int Chunks>
+inline void accumulate_fixed(const float* weights, const float* values, int64_t count, int64_t stride, float rescale,
+                             float* acc) {
+  __m512 even[Chunks], odd[Chunks];
+  const __m512 factor = _mm512_set1_ps(rescale);
+  for (int c = 0; c < Chunks; ++c) {
+    even[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), factor);
+    odd[c] = _mm512_setzero_ps();
+  }
+  int64_t t = 0;
+  for (; t + 1 < count; t += 2) {
+    const __m512 w0 = _mm512_set1_ps(weights[t]), w1 = _mm512_set1_ps(weights[t + 1]);
+    const float* v0 = values + t * stride;
+    const float* v1 = v0 + stride;
+    for (int c = 0; c < Chunks; ++c) {
+      even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+      odd[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
+    }
+  }
+  if (t < count) {
+    const __m512 w0 = _mm512_set1_ps(weights[t]);
+    for (int c = 0; c < Chunks; ++c)
+      even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(values + t * stride + 16 * c), even[c]);
+  }
+  for (int c = 0; c < Chunks; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_add_ps(even[c], odd[c]));
+}
+
 inline void accumulate(const float* weights, const float* values, int64_t count, int64_t stride, float rescale,
                        float* acc, int64_t dim) {
-  const __m512 factor = _mm512_set1_ps(rescale);
-  for (int64_t d = 0; d < dim; d += 16) {
-    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(acc + d), factor);
-    for (int64_t t = 0; t < count; ++t)
-      sum = _mm512_fmadd_ps(_mm512_set1_ps(weights[t]), _mm512_loadu_ps(values + t * stride + d), sum);
-    _mm512_storeu_ps(acc + d, sum);
+  switch (dim / 16) {
+    case 4: return accumulate_fixed<4>(weights, values, count, stride, rescale, acc);
+    case 8: return accumulate_fixed<8>(weights, values, count, stride, rescale, acc);
+    default:
+      for (int64_t d = 0; d < dim; d += 16) accumulate_fixed<1>(weights, values + d, count, stride, rescale, acc + d);
   }
 }
 #else
