@@ -82,8 +82,9 @@ def load() -> PagedDecode | None:
     try:
         return PagedDecode(ctypes.CDLL(str(_built(compiler))))
     except subprocess.CalledProcessError as error:
-        reason = (error.stderr or "").strip().splitlines()[-1:] or [f"{compiler} exited {error.returncode}"]
-        _log.warning("CPU decode kernel not built (%s): decode attention gathers each context", reason[0])
+        errors = [line for line in (error.stderr or "").splitlines() if "error" in line.lower()]
+        reason = errors[0].strip() if errors else f"{compiler} exited {error.returncode}"
+        _log.warning("CPU decode kernel not built (%s): decode attention gathers each context", reason)
     except OSError as error:
         _log.warning("CPU decode kernel not loaded (%s): decode attention gathers each context", error)
     return None

@@ -59,6 +59,19 @@ inline float exp_nonpositive(float x) {
   return p * power;
 }
 
+// The next block's keys and values, requested while this block computes: blocks lie anywhere in the pool, so
+// each is a fresh 12 KB stream (SmolLM2: 16 tokens x 3 KV heads x 64) that the hardware prefetcher would only
+// pick up halfway; the loads then stalled the kernel most of its time.
+template <typename Cache>
+inline void prefetch(const Cache* k_cache, const Cache* v_cache, int64_t offset, int64_t count) {
+  const char* k = reinterpret_cast<const char*>(k_cache + offset);
+  const char* v = reinterpret_cast<const char*>(v_cache + offset);
+  for (int64_t byte = 0; byte < count * static_cast<int64_t>(sizeof(Cache)); byte += 64) {
+    __builtin_prefetch(k + byte);
+    __builtin_prefetch(v + byte);
+  }
+}
+
 // The two inner products. With AVX-512 and a head size that is a multiple of 16 (64, 128...): a dot product
 // reduced once by a shuffle tree (the compiler's reduction of a plain loop ends in 16 dependent scalar adds,
 // most of the kernel's time), and each row's output kept in registers across a block's tokens.
@@ -124,8 +137,8 @@ inline float exponentiate(float* scores, int64_t count, float running) {
 // registers, even and odd tokens in separate sums: one chain of dependent FMAs per 16 lanes was the kernel's
 // bound (16 tokens x 4 cycles per block), more than its loads.
 template <int Chunks>
-inline void accumulate_fixed(const float* weights, const float* values, int64_t count, int64_t stride, float rescale,
-                             float* acc) {
+inline void accumulate_fixed(const float* weights, int64_t weight_stride, const float* values, int64_t count,
+                             int64_t stride, float rescale, float* acc) {
   __m512 even[Chunks], odd[Chunks];
   const __m512 factor = _mm512_set1_ps(rescale);
   for (int c = 0; c < Chunks; ++c) {
@@ -134,7 +147,8 @@ inline void accumulate_fixed(const float* weights, const float* values, int64_t 
   }
   int64_t t = 0;
   for (; t + 1 < count; t += 2) {
-    const __m512 w0 = _mm512_set1_ps(weights[t]), w1 = _mm512_set1_ps(weights[t + 1]);
+    const __m512 w0 = _mm512_set1_ps(weights[t * weight_stride]);
+    const __m512 w1 = _mm512_set1_ps(weights[(t + 1) * weight_stride]);
     const float* v0 = values + t * stride;
     const float* v1 = v0 + stride;
     for (int c = 0; c < Chunks; ++c) {
@@ -143,20 +157,125 @@ inline void accumulate_fixed(const float* weights, const float* values, int64_t 
     }
   }
   if (t < count) {
-    const __m512 w0 = _mm512_set1_ps(weights[t]);
+    const __m512 w0 = _mm512_set1_ps(weights[t * weight_stride]);
     for (int c = 0; c < Chunks; ++c)
       even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(values + t * stride + 16 * c), even[c]);
   }
   for (int c = 0; c < Chunks; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_add_ps(even[c], odd[c]));
 }
 
-inline void accumulate(const float* weights, const float* values, int64_t count, int64_t stride, float rescale,
-                       float* acc, int64_t dim) {
+inline void accumulate(const float* weights, int64_t weight_stride, const float* values, int64_t count,
+                       int64_t stride, float rescale, float* acc, int64_t dim) {
   switch (dim / 16) {
-    case 4: return accumulate_fixed<4>(weights, values, count, stride, rescale, acc);
-    case 8: return accumulate_fixed<8>(weights, values, count, stride, rescale, acc);
+    case 4: return accumulate_fixed<4>(weights, weight_stride, values, count, stride, rescale, acc);
+    case 8: return accumulate_fixed<8>(weights, weight_stride, values, count, stride, rescale, acc);
     default:
-      for (int64_t d = 0; d < dim; d += 16) accumulate_fixed<1>(weights, values + d, count, stride, rescale, acc + d);
+      for (int64_t d = 0; d < dim; d += 16)
+        accumulate_fixed<1>(weights, weight_stride, values + d, count, stride, rescale, acc + d);
+  }
+}
+
+// A query set of many rows (a group of decodes over its shared prefix: members x query heads of a KV head)
+// against its blocks, vectorized across rows instead of across the head: the query transposed to
+// [dim][rows], each key element broadcast against 16 rows at once, so no dot product needs a horizontal
+// reduction and the softmax state of 16 rows moves in one register. Scores are kept [token][rows].
+template <typename Cache>
+void attend_many(const float* query, const Cache* k_cache, const Cache* v_cache, const int64_t* blocks,
+                 const int64_t* lens, int64_t items, int64_t width, int64_t block, int64_t kv_heads, int64_t rows,
+                 int64_t dim, float scale, float* out, float* lse, int threads) {
+  const int64_t token_stride = kv_heads * dim;
+  const int64_t block_stride = block * token_stride;
+  const int64_t head_rows = rows * dim;
+  const int64_t padded = (rows + 15) / 16 * 16;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> keys(block_stride), values(block_stride), transposed(kv_heads * dim * padded);
+    std::vector<float> scores(kv_heads * block * padded), maxes(kv_heads * padded), sums(kv_heads * padded);
+    std::vector<float> rescales(padded);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const float* q = query + item * kv_heads * head_rows;
+      float* o = out + item * kv_heads * head_rows;
+      std::fill(o, o + kv_heads * head_rows, 0.0f);
+      std::fill(maxes.begin(), maxes.end(), -FLT_MAX);
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      std::fill(transposed.begin(), transposed.end(), 0.0f);
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t d = 0; d < dim; ++d)
+            transposed[(h * dim + d) * padded + r] = scale * q[h * head_rows + r * dim + d];
+      const int64_t length = lens[item];
+      for (int64_t b = 0; b * block < length; ++b) {
+        const int64_t count = std::min(block, length - b * block);
+        const int64_t offset = blocks[item * width + b] * block_stride;
+        if ((b + 1) * block < length)
+          prefetch(k_cache, v_cache, blocks[item * width + b + 1] * block_stride,
+                   std::min(block, length - (b + 1) * block) * token_stride);
+        const float* k;
+        const float* v;
+        if constexpr (std::is_same_v<Cache, float>) {
+          k = k_cache + offset;
+          v = v_cache + offset;
+        } else {
+          widen(k_cache + offset, keys.data(), count * token_stride);
+          widen(v_cache + offset, values.data(), count * token_stride);
+          k = keys.data();
+          v = values.data();
+        }
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const float* qt = transposed.data() + h * dim * padded;
+          float* score = scores.data() + h * block * padded;
+          // 16 rows x 8 tokens per pass: one load of the transposed query feeds 8 FMAs, each with its key
+          // element broadcast from memory (a tail pass repeats its last token and stores only the real ones)
+          for (int64_t tile = 0; tile < padded; tile += 16) {
+            for (int64_t first = 0; first < count; first += 8) {
+              const float* key[8];
+              for (int i = 0; i < 8; ++i) key[i] = k + std::min(first + i, count - 1) * token_stride + h * dim;
+              __m512 acc[8];
+              for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+              for (int64_t d = 0; d < dim; ++d) {
+                const __m512 column = _mm512_loadu_ps(qt + d * padded + tile);
+                for (int i = 0; i < 8; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(key[i][d]), column, acc[i]);
+              }
+              for (int i = 0; i < 8 && first + i < count; ++i) _mm512_storeu_ps(score + (first + i) * padded + tile, acc[i]);
+            }
+          }
+          float* head_max = maxes.data() + h * padded;
+          float* head_sum = sums.data() + h * padded;
+          for (int64_t tile = 0; tile < padded; tile += 16) {
+            const __m512 previous = _mm512_loadu_ps(head_max + tile);
+            __m512 running = previous;
+            for (int64_t t = 0; t < count; ++t) running = _mm512_max_ps(running, _mm512_loadu_ps(score + t * padded + tile));
+            __m512 added = _mm512_setzero_ps();
+            for (int64_t t = 0; t < count; ++t) {
+              const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(score + t * padded + tile), running));
+              _mm512_storeu_ps(score + t * padded + tile, e);
+              added = _mm512_add_ps(added, e);
+            }
+            const __m512 rescale = exp_nonpositive(_mm512_sub_ps(previous, running));
+            _mm512_storeu_ps(rescales.data() + tile, rescale);
+            _mm512_storeu_ps(head_max + tile, running);
+            _mm512_storeu_ps(head_sum + tile, _mm512_fmadd_ps(_mm512_loadu_ps(head_sum + tile), rescale, added));
+          }
+          for (int64_t r = 0; r < rows; ++r)
+            accumulate(score + r, padded, v + h * dim, count, token_stride, rescales[r], o + h * head_rows + r * dim,
+                       dim);
+        }
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t r = 0; r < rows; ++r) {
+          float* acc = o + h * head_rows + r * dim;
+          const int64_t state = h * padded + r;
+          if (length <= 0) {
+            lse[(item * kv_heads + h) * rows + r] = -INFINITY;
+            continue;
+          }
+          const float inverse = 1.0f / sums[state];
+          for (int64_t d = 0; d < dim; ++d) acc[d] *= inverse;
+          lse[(item * kv_heads + h) * rows + r] = maxes[state] + std::log(sums[state]);
+        }
+      }
+    }
   }
 }
 #else
@@ -177,19 +296,6 @@ inline void accumulate_plain(const float* weights, const float* values, int64_t 
   for (int64_t t = 0; t < count; ++t) {
 #pragma omp simd
     for (int64_t d = 0; d < dim; ++d) acc[d] += weights[t] * values[t * stride + d];
-  }
-}
-
-// The next block's keys and values, requested while this block computes: blocks lie anywhere in the pool, so
-// each is a fresh 12 KB stream (SmolLM2: 16 tokens x 3 KV heads x 64) that the hardware prefetcher would only
-// pick up halfway; the loads then stalled the kernel most of its time.
-template <typename Cache>
-inline void prefetch(const Cache* k_cache, const Cache* v_cache, int64_t offset, int64_t count) {
-  const char* k = reinterpret_cast<const char*>(k_cache + offset);
-  const char* v = reinterpret_cast<const char*>(v_cache + offset);
-  for (int64_t byte = 0; byte < count * static_cast<int64_t>(sizeof(Cache)); byte += 64) {
-    __builtin_prefetch(k + byte);
-    __builtin_prefetch(v + byte);
   }
 }
 
@@ -270,7 +376,7 @@ void attend(const float* query, const Cache* k_cache, const Cache* v_cache, cons
             const int64_t state = h * rows + r;
             float* acc = o + h * head_rows + r * dim;
             if constexpr (Wide) {
-              accumulate(scores.data() + state * block, v + h * dim, count, token_stride, rescales[state], acc, dim);
+              accumulate(scores.data() + state * block, 1, v + h * dim, count, token_stride, rescales[state], acc, dim);
             } else {
               accumulate_plain(scores.data() + state * block, v + h * dim, count, token_stride, rescales[state], acc,
                                dim);
@@ -293,10 +399,18 @@ void attend(const float* query, const Cache* k_cache, const Cache* v_cache, cons
   }
 }
 
+// From this many rows a query set runs vectorized across rows (attend_many).
+constexpr int64_t kManyRows = 16;
+
 template <typename Cache>
 void run(const float* query, const Cache* k_cache, const Cache* v_cache, const int64_t* blocks, const int64_t* lens,
          int64_t items, int64_t width, int64_t block, int64_t kv_heads, int64_t rows, int64_t dim, float scale,
          float* out, float* lse, int threads) {
+  if constexpr (kWide) {
+    if (dim % 16 == 0 && rows >= kManyRows)
+      return attend_many(query, k_cache, v_cache, blocks, lens, items, width, block, kv_heads, rows, dim, scale, out,
+                         lse, threads);
+  }
   if (kWide && dim % 16 == 0) {
     attend<kWide>(query, k_cache, v_cache, blocks, lens, items, width, block, kv_heads, rows, dim, scale, out, lse,
                   threads);
