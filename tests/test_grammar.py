@@ -140,6 +140,20 @@ def test_a_token_the_grammar_rejects_is_reported(grammars, tokenizer):
     assert not batch.advance(0, tokenizer.encode_batch(["maybe"])[0][0])
 
 
+def test_one_batched_advance_moves_every_constrained_row_and_reports_each_rejection(grammars, tokenizer):
+    batch = GrammarBatch(grammars, max_rows=4, threads=2)
+    for row in (0, 1, 3):
+        batch.set(row, Constraint.choice(["yes", "no"]))
+    yes, maybe = tokenizer.encode_batch(["yes"])[0][0], tokenizer.encode_batch(["maybe"])[0][0]
+    # rows 0 and 3 take "yes", row 1 is handed "maybe", row 2 is unconstrained and takes anything
+    assert batch.advance_rows([0, 1, 2, 3], [yes, maybe, maybe, yes]) == [True, False, True, True]
+    logits = torch.zeros(3, VOCAB)
+    batch.apply(logits, batch.fill_bitmask([0, 2, 3]))
+    # the advanced rows now allow only what completes "yes" (EOS once it is done), row 2 still everything
+    allowed = torch.isfinite(logits).sum(dim=-1).tolist()
+    assert allowed[1] == VOCAB and 1 <= allowed[0] == allowed[2] < 10
+
+
 @pytest.mark.parametrize(("constraint", "message"), [
     (lambda: Constraint.json_schema('{"type": "nonsense"}'), "json_schema cannot be compiled: Unsupported type"),
     (lambda: Constraint.json_schema("{not json"), "json_schema is not valid JSON"),

@@ -127,6 +127,19 @@ class GrammarBatch:
         matcher = self.matchers[row]
         return True if matcher is None else matcher.accept_token(token)
 
+    def advance_rows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
+        """Move every slot of `rows` past its token in one batched call (xgrammar's batch accept: one trip into
+        its C++ for the step, 1.8 to 4.4x cheaper than a call per row, benchmarks/grammar.py); False where the
+        grammar rejects the token. Unconstrained slots accept anything."""
+        positions = [i for i, row in enumerate(rows) if self.matchers[row] is not None]
+        accepted = [True] * len(rows)
+        if positions:
+            verdicts = xgrammar.BatchGrammarMatcher.batch_accept_token([self.matchers[rows[i]] for i in positions],
+                                                                       [tokens[i] for i in positions])
+            for i, verdict in zip(positions, verdicts):
+                accepted[i] = bool(verdict)
+        return accepted
+
     def is_finished(self, row: int) -> bool:
         """The grammar has ended: its EOS was accepted. After that only EOS was ever allowed."""
         matcher = self.matchers[row]
