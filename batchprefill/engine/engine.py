@@ -18,12 +18,13 @@ import torch
 
 from batchprefill.engine.block_pool import BlockPool
 from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.input_batch import StepInputs
 from batchprefill.engine.logprobs import append_logprobs, top_logprobs
 from batchprefill.engine.model_runner import ModelRunner
 from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import fork_sampling
 from batchprefill.engine.scheduler import Scheduler
-from batchprefill.engine.scoring import finish_scored, score_rows
+from batchprefill.engine.scoring import ScoreRows, finish_scored, score_rows
 from batchprefill.engine.step import Step
 from batchprefill.model.decoder import DecoderModel
 
@@ -133,20 +134,25 @@ class Engine:
             inputs = self.runner.prepare(step)
             scored = score_rows(step.chunks, inputs.query_start) if self.scoring else None
             masks = self.structured.start(step, inputs.sampled) if self.structured is not None else None
-            clock.append(time.perf_counter())
-            logits = self.runner.forward(inputs, None if scored is None else scored.rows)
-            clock.append(time.perf_counter())
-            num_sampled = len(inputs.logits_rows)
-            if scored is not None:
-                scored.record(logits[num_sampled:])
-                logits = logits[:num_sampled]
-            raw = logits
-            if masks is not None:  # logprobs stay the raw distribution: keep it apart only when both are asked
-                raw = logits.clone() if self.logprobs else logits
-                self.structured.mask(logits, masks)
-            tokens = self.runner.sample(logits, inputs.sampling)
             sampled = [step.chunks[index].request for index in inputs.sampled.tolist()]
-            tops = self._logprobs(raw, tokens, sampled)
+            clock.append(time.perf_counter())
+            if self._greedy_only(inputs, sampled, scored):
+                tokens = self.runner.greedy_tokens(inputs)  # the forward, which picks them on the way
+                logits, tops = None, None
+                clock.append(time.perf_counter())
+            else:
+                logits = self.runner.forward(inputs, None if scored is None else scored.rows)
+                clock.append(time.perf_counter())
+                num_sampled = len(inputs.logits_rows)
+                if scored is not None:
+                    scored.record(logits[num_sampled:])
+                    logits = logits[:num_sampled]
+                raw = logits
+                if masks is not None:  # logprobs stay the raw distribution: keep it apart only when both are asked
+                    raw = logits.clone() if self.logprobs else logits
+                    self.structured.mask(logits, masks)
+                tokens = self.runner.sample(logits, inputs.sampling)
+                tops = self._logprobs(raw, tokens, sampled)
             clock.append(time.perf_counter())
             self.scheduler.commit(step)
             if self.forking:
@@ -169,6 +175,19 @@ class Engine:
             clock += clock[-1:] * 3
         self._record(step, clock, finished)
         return finished
+
+    def _greedy_only(self, inputs: StepInputs, sampled: list[Request], scored: ScoreRows | None) -> bool:
+        """Whether all this step needs of its logits is each sampled row's greedy token: then the runner may pick
+        them without making the logits (on the CPU, 256 rows x 49,152 float32 are 50 MB written and read back;
+        see LMHead). Decided once per step, from flags the engine already keeps: not when a row draws
+        (temperature > 0), when any request of the job asks for logprobs, when the engine can constrain outputs
+        (the grammar masks the logits), when choices are scored, or when a parent forks children now that draw
+        their first token from its logits."""
+        if scored is not None or self.structured is not None or self.logprobs:
+            return False
+        if (inputs.sampling.temperature > 0).any():
+            return False
+        return not (self.forking and any(r.forks and not r.output_token_ids for r in sampled))
 
     def _done(self, request: Request) -> None:
         self.scheduler.finish(request)
