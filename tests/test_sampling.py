@@ -73,3 +73,16 @@ def test_stop_string_ends_the_output_before_it(make_engine, chat_prompts):
     cut = run(make_engine(), chat_prompts[:1], max_tokens=40, stop=("France",))[0]
     assert cut.finish_reason == "stop" and cut.output_text == free.output_text.split("France")[0]
     assert len(cut.output_token_ids) < len(free.output_token_ids)
+
+
+def test_a_full_context_ends_with_length_in_the_plain_loop_and_the_per_row_one(make_engine, chat_prompts):
+    """A context of prompt + 5 tokens ends a 40-token request after 5 tokens with reason length, both in the
+    tight loop of a plain step and in the per-row loop a job with logprobs takes, with the same tokens."""
+    outputs = []
+    for params in (dict(), dict(logprobs=1)):
+        engine = make_engine()
+        engine.max_positions = len(chat_prompts[0]) + 5
+        done = run(engine, chat_prompts[:1], max_tokens=40, ignore_eos=True, **params)[0]
+        assert done.finish_reason == "length" and len(done.output_token_ids) == 5
+        outputs.append(done.output_token_ids)
+    assert outputs[0] == outputs[1]

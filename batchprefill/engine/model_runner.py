@@ -29,6 +29,10 @@ class ModelRunner:
                                         capture=padded_decode == "graphs")
         self._staging = torch.empty(0, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._argmax = argmax_for(device)
+        # Whether `greedy_tokens` lets the model pick without making the logits: on the CPU (where reading them
+        # back was most of the sampler's time). A GPU's argmax stays on the device after the logits, as before,
+        # and so does the padded decode path, whose buffers (and CUDA graphs) hold logits.
+        self.fused_greedy = device.type == "cpu" and self.decoder is None
 
     def release(self, request: Request) -> None:
         self.batch.release(request)
@@ -44,6 +48,18 @@ class ModelRunner:
                 and self.decoder.fits(len(inputs.input_ids))):
             return self.decoder.run(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
                                     inputs.block_tables)
+        return self._run(inputs, rows, greedy=False)
+
+    def greedy_tokens(self, inputs: StepInputs) -> np.ndarray:
+        """The greedy token of every sampled row `[R]`, for a step where that is all anything reads of the logits
+        (the engine decides). With `fused_greedy` the model picks them vocabulary chunk by chunk and the logits
+        never exist; otherwise they are `sample` of the logits, as for any other step. Either way they equal
+        the logits' argmax, ties to the first."""
+        if not self.fused_greedy:
+            return self.sample(self.forward(inputs), inputs.sampling)
+        return self._run(inputs, inputs.logits_rows, greedy=True).numpy()
+
+    def _run(self, inputs: StepInputs, rows: np.ndarray, greedy: bool) -> torch.Tensor:
         ids, positions, slots, query_start, seq_lens, tables, rows = self._to_device(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start, inputs.seq_lens,
             inputs.block_tables, rows)
@@ -52,7 +68,7 @@ class ModelRunner:
             block_tables=tables.to(torch.int32), slot_mapping=slots,
             query_lens_host=np.diff(inputs.query_start).tolist(), seq_lens_host=inputs.seq_lens.tolist(),
         )
-        return self.model(ids, positions, self.kv_caches, meta, rows)
+        return self.model(ids, positions, self.kv_caches, meta, rows, greedy=greedy)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write for forks: each (source, target) block's K and V, in every layer, in one op per tensor."""

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from batchprefill.kernels.interface import AttentionMetadata, Ops
-from batchprefill.kernels.linear import Linear
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.families import family_for
 from batchprefill.model.families.base import Layer, Weights, norm
+from batchprefill.model.lm_head import LMHead
 from batchprefill.model.rope import rope_cos_sin
 
 
@@ -30,7 +30,8 @@ class DecoderModel(torch.nn.Module):
         self.embed = weights["model.embed_tokens.weight"]
         self.embedding_scale = torch.tensor(config.embedding_scale, dtype=self.embed.dtype, device=self.embed.device)
         self.final_norm = norm(weights, "model.norm.weight", config)
-        self.lm_head = Linear(self.embed if config.tie_word_embeddings else weights["lm_head.weight"])
+        self.lm_head = LMHead(self.embed if config.tie_word_embeddings else weights["lm_head.weight"],
+                              config.final_logit_softcapping)
         self.layers: list[Layer] = [family.layer(weights, i, config) for i in range(config.num_layers)]
         self.windows = [config.window(i) for i in range(config.num_layers)]
         self.rotary_dim = config.rotary_dim or config.head_dim
@@ -53,8 +54,10 @@ class DecoderModel(torch.nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,
+        greedy: bool = False,
     ) -> torch.Tensor:
-        """Logits `[len(logits_rows), vocab]` for the flat-batch rows that need a next token."""
+        """Logits `[len(logits_rows), vocab]` for the flat-batch rows that need a next token; with `greedy`, their
+        argmax instead (int64 `[len(logits_rows)]`), which on the CPU never makes the full logits (LMHead)."""
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed)
@@ -73,11 +76,7 @@ class DecoderModel(torch.nn.Module):
                 hidden, _ = ops.rms_norm(hidden, layer.post_mlp_norm, eps)
         last = hidden[logits_rows] + residual[logits_rows]
         normed, _ = ops.rms_norm(last, self.final_norm, eps)
-        logits = self.lm_head(normed).float()
-        if cfg.final_logit_softcapping:
-            cap = cfg.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return self.lm_head.greedy_tokens(normed) if greedy else self.lm_head.logits(normed)
 
     def _attention(self, i: int, layer: Layer, normed: torch.Tensor, positions: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
