@@ -85,7 +85,7 @@ def run_job(job: JobSettings) -> dict:
     engine = build_engine(job, prepared, _tokens_needed(prepared, mine, job, output_tokens), structured)
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds,
-                          result_fields(job.task, job.sampling.n > 1, bool(job.sampling.logprobs)))
+                          result_fields(job.task, job.sampling.n > 1, _may_ask_logprobs(job)))
     totals = JobTotals()
     bar = tqdm(total=sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n, desc=job.task,
                unit="req",
@@ -332,17 +332,23 @@ def _record(run: PartitionRun, request: Request, writer: ResultWriter, totals: J
         totals.add_groups(run.part, run.groups, run.requests)
 
 
+def _may_ask_logprobs(job: JobSettings) -> bool:
+    """Whether rows may carry logprobs: the job asks for them, or the lines of an OpenAI batch file may (each
+    line's `logprobs`; the columns are null on the lines that do not ask)."""
+    return job.sampling.logprobs is not None or job.data.format == "openai_batch"
+
+
 def _sample_column(job: JobSettings, sample: int) -> dict:
     return {"sample_index": sample} if job.sampling.n > 1 else {}
 
 
 def _result_columns(request: Request) -> dict:
     """A finished request's columns beyond the plain output ones (writer.result_fields picks those a job writes)."""
+    asked = request.sampling.logprobs is not None  # 0 (an OpenAI line's logprobs alone): the sampled tokens'
     columns: dict = {"sample_index": request.sample_index,
-                     "output_logprobs": request.output_logprobs if request.sampling.logprobs else None,
+                     "output_logprobs": request.output_logprobs if asked else None,
                      "output_top_logprobs": [[{"token_id": t, "logprob": v} for t, v in top]
-                                             for top in request.output_top_logprobs] if request.sampling.logprobs
-                     else None}
+                                             for top in request.output_top_logprobs] if asked else None}
     scores = request.score
     if scores is not None and request.error is None:
         columns.update(choice_logprobs=scores.choice_logprobs(), choice_num_tokens=list(map(len, scores.choices)),

@@ -243,3 +243,29 @@ def test_a_rerun_into_the_same_folder_resumes_and_writes_the_whole_results_jsonl
         if line["response"]:
             line["response"]["body"].pop("created", None)
     assert again == answers
+
+
+def test_each_line_gets_the_logprobs_it_asks_for_and_none_when_it_asks_for_none(tmp_path):
+    source = tmp_path / "batch.jsonl"
+    write_jsonl(source, [
+        chat_line("top2", SYSTEMS[0], QUESTIONS[0], logprobs=True, top_logprobs=2),
+        chat_line("alone", SYSTEMS[0], QUESTIONS[1], logprobs=True),  # the sampled tokens' logprobs, no others
+        chat_line("none", SYSTEMS[0], QUESTIONS[2]),
+        {"custom_id": "story", "url": "/v1/completions", "body": {"prompt": "Once upon a time", "logprobs": 1}},
+    ])
+    done = run_cli(["batchprefill-run", "data.format=openai_batch", f"data.input={source}",
+                    f"output.dir={tmp_path / 'out'}", *FAST])
+    assert done.returncode == 0, done.stderr
+    bodies = {a["custom_id"]: a["response"]["body"] for a in map(json.loads, (tmp_path / "out" / "results.jsonl")
+                                                                 .read_text().splitlines())}
+    for custom_id, width in (("top2", 2), ("alone", 0)):
+        choice, usage = bodies[custom_id]["choices"][0], bodies[custom_id]["usage"]
+        content = choice["logprobs"]["content"]
+        assert len(content) == usage["completion_tokens"] > 0
+        assert all(t["logprob"] <= 0 and len(t["top_logprobs"]) == width for t in content)
+        if width:  # greedy: the sampled token is the most likely one
+            assert all(t["top_logprobs"][0]["logprob"] == t["logprob"] for t in content)
+    assert bodies["none"]["choices"][0]["logprobs"] is None
+    story = bodies["story"]["choices"][0]["logprobs"]
+    assert len(story["token_logprobs"]) == bodies["story"]["usage"]["completion_tokens"]
+    assert all(len(top) == 1 for top in story["top_logprobs"])

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchprefill.kernels import paged_decode
+from batchprefill.kernels import native, paged_decode
 from batchprefill.kernels.decode_groups import gathered
 from batchprefill.kernels.torch_ops import TorchOps
 from tests.test_prefix_groups import flat_batch
@@ -86,8 +86,8 @@ def test_the_torch_path_gives_the_same_decode_attention_with_and_without_the_ker
 def test_the_library_is_built_once_per_source_and_cpu_then_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     compiler = os.environ.get("CXX") or "c++"
-    first = paged_decode._built(compiler)
+    first = native.built(native.SOURCES / "paged_decode.cpp", compiler)
     assert first.parent == tmp_path / "batchprefill" / "kernels" and first.exists()
     built_at = first.stat().st_mtime_ns
-    assert paged_decode._built(compiler) == first and first.stat().st_mtime_ns == built_at
+    assert native.built(native.SOURCES / "paged_decode.cpp", compiler) == first and first.stat().st_mtime_ns == built_at
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no staging file left behind

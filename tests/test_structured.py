@@ -9,7 +9,7 @@ import pytest
 
 from batchprefill.engine.constraint import Constraint
 from batchprefill.engine.grammar import Grammars
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request, SamplingParams, with_samples
 from batchprefill.engine.structured import StructuredStep
 
 LABEL_SCHEMA = {
@@ -77,3 +77,21 @@ def test_a_schema_that_cannot_compile_is_its_requests_error_and_the_others_run(m
     assert outputs[0].output_token_ids == []
     assert outputs[1].error is None and outputs[1].output_text.startswith("{")  # cut at 8 tokens: unfinished
     assert outputs[2].error is None and outputs[2].output_token_ids
+
+
+def test_constrained_samples_report_the_raw_distribution_of_their_first_token_like_the_first_sample(
+        make_engine, grammars, chat_prompts):
+    # the unconstrained first step's top 5 is the raw distribution every sample's first entry must show, the
+    # forked samples 1 and 2 included (they draw from the masked row, but report the raw one)
+    free = make_engine().generate([Request(0, list(chat_prompts[0]), SamplingParams(max_tokens=1, logprobs=5))])
+    (reference,) = [r.output_top_logprobs[0] for r in free]
+    engine = make_engine(structured_step=StructuredStep(grammars, 256, threads=2))
+    params = SamplingParams(max_tokens=3, logprobs=5, n=3, temperature=1.0, seed=3,
+                            constraint=Constraint.choice(["yes", "no"]))
+    samples = list(engine.generate([with_samples(Request(0, list(chat_prompts[0]), params))]))
+    assert sorted(r.sample_index for r in samples) == [0, 1, 2]
+    for request in samples:
+        assert request.output_text in ("yes", "no")
+        first = request.output_top_logprobs[0]
+        assert [t for t, _ in first] == [t for t, _ in reference]
+        assert max(abs(v - w) for (_, v), (_, w) in zip(first, reference)) < 1e-5

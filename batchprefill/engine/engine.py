@@ -93,7 +93,7 @@ class Engine:
         need = max(r.num_prompt_tokens + r.sampling.max_tokens for r in (request, *request.forks))
         self.forking |= bool(request.forks)
         self.scoring |= request.score is not None
-        self.logprobs |= bool(request.sampling.logprobs)
+        self.logprobs |= request.sampling.logprobs is not None  # 0: the sampled token's alone
         if need > capacity:
             request.error = (f"needs up to {need} KV slots (prompt + sampling.max_tokens, or context + choice) "
                              f"but the pool holds {capacity}; raise engine.kv_cache_tokens")
@@ -138,7 +138,7 @@ class Engine:
             clock.append(time.perf_counter())
             if self._greedy_only(inputs, sampled, scored):
                 tokens = self.runner.greedy_tokens(inputs)  # the forward, which picks them on the way
-                logits, tops = None, None
+                logits = raw = tops = None
                 clock.append(time.perf_counter())
             else:
                 logits = self.runner.forward(inputs, None if scored is None else scored.rows)
@@ -156,7 +156,7 @@ class Engine:
             clock.append(time.perf_counter())
             self.scheduler.commit(step)
             if self.forking:
-                self._fork(logits, sampled, finished)
+                self._fork(logits, raw, sampled, finished)
             if tops is None and self.structured is None and not self.scoring:
                 self._append_all(sampled, tokens.tolist(), finished)
             else:
@@ -185,6 +185,7 @@ class Engine:
     def _append_each(self, sampled: list[Request], tokens: list[int], tops: np.ndarray | None,
                      finished: list[Request]) -> None:
         """A step's tokens, row by row, with what scoring rows, logprobs and grammars add."""
+        verdicts = self.structured.advance(sampled, tokens) if self.structured is not None else None
         for position, (request, token) in enumerate(zip(sampled, tokens)):
             if request.score is not None:
                 self._done(request)
@@ -192,11 +193,11 @@ class Engine:
                 if row is not None:
                     finished.append(row)
                 continue
-            if tops is not None and request.sampling.logprobs:
+            if tops is not None and request.sampling.logprobs is not None:
                 append_logprobs(request.output_logprobs, request.output_top_logprobs, tops[position],
                                 request.sampling.logprobs)
-            if self._append(request, token) or (self.structured is not None
-                                                and self._grammar_ends(request, token)):
+            if self._append(request, token) or (verdicts is not None and verdicts[position] is not None
+                                                and self._grammar_ends(request, token, verdicts[position])):
                 self._done(request)
                 finished.append(request)
 
@@ -221,12 +222,13 @@ class Engine:
         """The step's `top_logprobs` rows (one per sampled row) when any of them asked, with the largest k asked."""
         if not self.logprobs:
             return None
-        k = max((r.sampling.logprobs or 0 for r in requests), default=0)
-        return top_logprobs(logits, torch.from_numpy(tokens), k) if k else None
+        k = max((r.sampling.logprobs for r in requests if r.sampling.logprobs is not None), default=None)
+        return top_logprobs(logits, torch.from_numpy(tokens), k) if k is not None else None
 
-    def _fork(self, logits: torch.Tensor, sampled: list[Request], finished: list[Request]) -> None:
+    def _fork(self, logits: torch.Tensor, raw: torch.Tensor, sampled: list[Request], finished: list[Request]) -> None:
         """Fork the children of every parent whose prompt this step completed. Sample children take their first
-        token from their parent's logits row, drawn from their own random streams, in one batched call."""
+        token from their parent's logits row (masked by the grammar where there is one), drawn from their own
+        random streams, in one batched call; their logprobs come from the raw row, like every other token's."""
         parents = [(position, r) for position, r in enumerate(sampled) if r.forks and not r.output_token_ids]
         if not parents:
             return
@@ -239,11 +241,12 @@ class Engine:
         self.runner.copy_blocks(copies)
         if not children:
             return
-        parent_logits = logits[torch.tensor(rows, device=logits.device)]
+        parent_rows = torch.tensor(rows, device=logits.device)
+        parent_logits = logits[parent_rows]
         tokens = self.runner.sample(parent_logits, fork_sampling(children))
-        tops = self._logprobs(parent_logits, tokens, children)
+        tops = self._logprobs(parent_logits if raw is logits else raw[parent_rows], tokens, children)
         for position, (child, token) in enumerate(zip(children, tokens.tolist())):
-            if tops is not None and child.sampling.logprobs:
+            if tops is not None and child.sampling.logprobs is not None:
                 append_logprobs(child.output_logprobs, child.output_top_logprobs, tops[position],
                                 child.sampling.logprobs)
             if self._append(child, token):
@@ -271,10 +274,11 @@ class Engine:
             self.structured.release(request)
         self.runner.release(request)
 
-    def _grammar_ends(self, request: Request, token: int) -> bool:
+    def _grammar_ends(self, request: Request, token: int, reason: str) -> bool:
         """A constrained request also ends when its grammar does (with sampling.ignore_eos) or rejects a token."""
-        reason = self.structured.advance(request, token)
-        return reason is not None and self._finish(request, reason, self.detokenize(request.output_token_ids))
+        if reason == "error":
+            request.error = f"the grammar rejected sampled token {token}"
+        return self._finish(request, reason, self.detokenize(request.output_token_ids))
 
     def _append(self, request: Request, token: int) -> bool:
         """Add a sampled token and decide whether the request is done."""

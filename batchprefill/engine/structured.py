@@ -8,7 +8,7 @@ the same step as before, with no per-row work added. With one, each step
 2. starts filling the sampled rows' bitmask on a worker thread before the forward pass (the masks depend only
    on earlier tokens, and xgrammar fills on its own threads without the GIL),
 3. after the forward (and after raw logprobs are read) collects the bitmask and masks the logits in one op,
-4. after sampling, advances each constrained request's matcher by its token.
+4. after sampling, advances every constrained request's matcher by its token, in one batched call.
 
 Constraints touch sampling only: the scheduler, the prefix cache and prefill never see them.
 """
@@ -59,14 +59,14 @@ class StructuredStep:
         """Disallowed tokens' logits become -inf, in place: after raw logprobs, before sampling."""
         GrammarBatch.apply(logits, masks.result())
 
-    def advance(self, request: Request, token: int) -> str | None:
-        """Move the request's matcher past its new token: the finish reason if the grammar ends the request
-        (`stop` when it is complete, `error` if it rejects the token), else None."""
-        row = request.batch_row
-        if not self.batch.advance(row, token):
-            request.error = f"the grammar rejected sampled token {token}"
-            return "error"
-        return "stop" if self.batch.is_finished(row) else None
+    def advance(self, requests: list[Request], tokens: list[int]) -> list[str | None]:
+        """Move every sampled request's matcher past its new token, in one batched call: for each, the finish
+        reason if the grammar ends the request (`stop` when it is complete, `error` if it rejects the token),
+        else None."""
+        rows = [request.batch_row for request in requests]
+        accepted = self.batch.advance_rows(rows, tokens)
+        return [("stop" if self.batch.is_finished(row) else None) if ok else "error"
+                for row, ok in zip(rows, accepted)]
 
     def release(self, request: Request) -> None:
         """A finished or preempted request's matcher goes; a preempted one gets a new one when it runs again."""
