@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -57,6 +58,32 @@ inline float exp_nonpositive(float x) {
   float power;
   std::memcpy(&power, &bits, 4);
   return p * power;
+}
+
+// A block's keys and values as float32: the pool itself for a float32 pool, else widened into the buffers.
+template <typename Cache>
+inline std::pair<const float*, const float*> as_float(const Cache* k_cache, const Cache* v_cache, int64_t offset,
+                                                      int64_t count, float* keys, float* values) {
+  if constexpr (std::is_same_v<Cache, float>) {
+    return {k_cache + offset, v_cache + offset};
+  } else {
+    widen(k_cache + offset, keys, count);
+    widen(v_cache + offset, values, count);
+    return {keys, values};
+  }
+}
+
+// One row's end: its weighted values divided by their weight, and its log-sum-exp (-inf and zeros where the
+// item read no token).
+inline void finish(float* acc, int64_t dim, float max, float sum, int64_t length, float* lse) {
+  if (length <= 0) {
+    *lse = -INFINITY;
+    return;
+  }
+  const float inverse = 1.0f / sum;
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) acc[d] *= inverse;
+  *lse = max + std::log(sum);
 }
 
 // The next block's keys and values, requested while this block computes: blocks lie anywhere in the pool, so
@@ -211,17 +238,7 @@ void attend_many(const float* query, const Cache* k_cache, const Cache* v_cache,
         if ((b + 1) * block < length)
           prefetch(k_cache, v_cache, blocks[item * width + b + 1] * block_stride,
                    std::min(block, length - (b + 1) * block) * token_stride);
-        const float* k;
-        const float* v;
-        if constexpr (std::is_same_v<Cache, float>) {
-          k = k_cache + offset;
-          v = v_cache + offset;
-        } else {
-          widen(k_cache + offset, keys.data(), count * token_stride);
-          widen(v_cache + offset, values.data(), count * token_stride);
-          k = keys.data();
-          v = values.data();
-        }
+        const auto [k, v] = as_float(k_cache, v_cache, offset, count * token_stride, keys.data(), values.data());
         for (int64_t h = 0; h < kv_heads; ++h) {
           const float* qt = transposed.data() + h * dim * padded;
           float* score = scores.data() + h * block * padded;
@@ -262,19 +279,10 @@ void attend_many(const float* query, const Cache* k_cache, const Cache* v_cache,
                        dim);
         }
       }
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        for (int64_t r = 0; r < rows; ++r) {
-          float* acc = o + h * head_rows + r * dim;
-          const int64_t state = h * padded + r;
-          if (length <= 0) {
-            lse[(item * kv_heads + h) * rows + r] = -INFINITY;
-            continue;
-          }
-          const float inverse = 1.0f / sums[state];
-          for (int64_t d = 0; d < dim; ++d) acc[d] *= inverse;
-          lse[(item * kv_heads + h) * rows + r] = maxes[state] + std::log(sums[state]);
-        }
-      }
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t r = 0; r < rows; ++r)
+          finish(o + h * head_rows + r * dim, dim, maxes[h * padded + r], sums[h * padded + r], length,
+                 lse + (item * kv_heads + h) * rows + r);
     }
   }
 }
@@ -324,17 +332,7 @@ void attend(const float* query, const Cache* k_cache, const Cache* v_cache, cons
         const int64_t count = std::min(block, length - b * block);
         const int64_t offset = blocks[item * width + b] * block_stride;
         const int64_t next = (b + 1) * block < length ? blocks[item * width + b + 1] * block_stride : -1;
-        const float* k;
-        const float* v;
-        if constexpr (std::is_same_v<Cache, float>) {
-          k = k_cache + offset;
-          v = v_cache + offset;
-        } else {
-          widen(k_cache + offset, keys.data(), count * token_stride);
-          widen(v_cache + offset, values.data(), count * token_stride);
-          k = keys.data();
-          v = values.data();
-        }
+        const auto [k, v] = as_float(k_cache, v_cache, offset, count * token_stride, keys.data(), values.data());
         const int64_t states = kv_heads * rows;
         // Scores token by token, so the block is read front to back (the next block's same token is requested
         // meanwhile), then each (head, row)'s online softmax, then values token by token.
@@ -384,17 +382,8 @@ void attend(const float* query, const Cache* k_cache, const Cache* v_cache, cons
           }
         }
       }
-      for (int64_t state = 0; state < kv_heads * rows; ++state) {
-        float* acc = o + state * dim;
-        if (length <= 0) {
-          lse[item * kv_heads * rows + state] = -INFINITY;
-          continue;
-        }
-        const float inverse = 1.0f / sums[state];
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) acc[d] *= inverse;
-        lse[item * kv_heads * rows + state] = maxes[state] + std::log(sums[state]);
-      }
+      for (int64_t state = 0; state < kv_heads * rows; ++state)
+        finish(o + state * dim, dim, maxes[state], sums[state], length, lse + item * kv_heads * rows + state);
     }
   }
 }
