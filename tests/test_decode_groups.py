@@ -1,4 +1,5 @@
-"""Decode attention on the torch path: shared prefix once per group, own blocks per decode, merged by LSE."""
+"""Decode attention on the torch path (gathered, where the in-place kernel is not built): shared prefix once per
+group, own blocks per decode, merged by LSE."""
 
 import torch
 
@@ -11,7 +12,7 @@ def test_three_decodes_under_a_3_block_prefix_score_it_once_and_only_their_own_b
     tables = [shared + [20, 21], shared + [22], shared + [23, 24, 25], [30, 31]]
     seq_lens = [19, 14, 23, 7]  # 12 shared tokens, then 7, 2 and 11 own; the last decode shares nothing
     query, k_cache, v_cache, meta = flat_batch([1, 1, 1, 1], seq_lens, tables, seed=11)
-    ops = TorchOps()
+    ops = TorchOps(native=False)
     plan = ops.plan(meta, k_cache, query.shape[1], query.dtype).plan.decodes
     (batch,) = plan.shared
     assert batch.blocks.tolist() == [shared] and sorted(batch.decodes.tolist()) == [0, 1, 2]
@@ -30,7 +31,7 @@ def test_decodes_between_chunks_at_two_prefix_depths_match_each_sequence_alone()
     q_lens = [1, 1, 1, 1, 5, 3]
     seq_lens = [17, 18, 15, 16, 20, 8]
     query, k_cache, v_cache, meta = flat_batch(q_lens, seq_lens, tables, seed=12)
-    ops = TorchOps()
+    ops = TorchOps(native=False)
     plan = ops.plan(meta, k_cache, query.shape[1], query.dtype).plan.decodes
     depths = sorted(batch.blocks.shape[1] for batch in plan.shared)
     assert sum(len(b.decodes) for b in plan.shared) == 4 and set(depths) <= {2, 4}

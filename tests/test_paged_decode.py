@@ -1,14 +1,18 @@
-"""The C++ decode kernel reads the paged pool in place and gives what gathering each context gives."""
+"""The C++ decode kernel reads the paged pool in place, a step's decodes in one call, and gives what gathering
+each context (the torch path, decode_groups.py) gives."""
 
+import ctypes
 import os
+import subprocess
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchprefill.intmath import cdiv
 from batchprefill.kernels import native, paged_decode
-from batchprefill.kernels.decode_groups import gathered
+from batchprefill.kernels.decode_groups import DecodePlan
 from batchprefill.kernels.torch_ops import TorchOps
 from tests.test_prefix_groups import flat_batch
 
@@ -20,67 +24,108 @@ def kernel() -> paged_decode.PagedDecode:
     return built
 
 
-def items(lens: list[int], kv_heads: int, rows: int, dim: int, block: int, seed: int, dtype=torch.float32):
-    """Query sets over random, scattered blocks of one pool, with each item's padding mask for the gathered path."""
-    generator = torch.Generator().manual_seed(seed)
-    width = max(1, max(-(-n // block) for n in lens))
-    num_blocks = len(lens) * width + 3
-    k_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=generator).to(dtype)
-    v_cache = torch.randn(num_blocks, block, kv_heads, dim, generator=generator).to(dtype)
-    blocks = torch.randperm(num_blocks, generator=generator)[: len(lens) * width].view(len(lens), width)
-    query = torch.randn(len(lens), kv_heads, rows, dim, generator=generator)
-    visible = torch.arange(width * block)[None, :] < torch.tensor(lens)[:, None]
-    mask = torch.zeros(len(lens), 1, 1, width * block).masked_fill_(~visible[:, None, None, :], float("-inf"))
-    return query, k_cache, v_cache, blocks.long(), mask, torch.tensor(lens, dtype=torch.int64)
+def decodes(groups: list[tuple[int, list[int]]], block: int) -> tuple[list[list[int]], list[int]]:
+    """Block tables and lengths of decodes in groups (shared blocks, each member's own tokens), every block id
+    distinct and scattered: [(2, [5, 17])] is two decodes over the same 2 shared blocks, with 5 and 17 own tokens."""
+    tables, lens, next_block = [], [], 0
+    for shared, owns in groups:
+        prefix = list(range(next_block, next_block + shared))
+        next_block += shared
+        for own in owns:
+            count = cdiv(own, block)
+            tables.append(prefix + list(range(next_block, next_block + count)))
+            next_block += count
+            lens.append(shared * block + own)
+    scatter = torch.randperm(next_block + 3, generator=torch.Generator().manual_seed(next_block)).tolist()
+    return [[scatter[b] for b in table] for table in tables], lens
 
 
-@pytest.mark.parametrize(("rows", "dim", "block"),
-                         [(3, 64, 16), (9, 64, 16), (5, 128, 32), (27, 64, 16), (16, 128, 16), (3, 40, 16), (1, 8, 4)])
-def test_in_place_attention_equals_the_gathered_copy_for_lengths_around_block_edges(kernel, rows, dim, block):
-    # lengths 1, a block minus one, exactly one and two blocks, a block plus one, and a longer context; heads of
-    # 64 and 128 take the AVX-512 path where the CPU has it, 40 and 8 the plain one; 9 and 5 rows leave a
-    # remainder after rows are taken four at a time; 16 and 27 rows (a group of decodes over its shared prefix)
-    # run vectorized across rows, 27 padded to 32
-    lens = [1, block - 1, block, 2 * block, block + 1, 7 * block + 3]
-    query, k_cache, v_cache, blocks, mask, lengths = items(lens, 2, rows, dim, block, seed=rows + dim)
-    want, want_lse = gathered(query, k_cache, v_cache, blocks, mask, lengths, 0.125)
-    got, got_lse = kernel.attend(query, k_cache, v_cache, blocks, lengths, 0.125)
-    assert torch.allclose(got, want, atol=1e-5) and torch.allclose(got_lse, want_lse.float(), atol=1e-5)
+def both_paths(groups, heads, kv_heads, dim, block, seed, dtype=torch.float32):
+    tables, lens = decodes(groups, block)
+    query, k_cache, v_cache, meta = flat_batch([1] * len(lens), lens, tables, heads, kv_heads, dim, block,
+                                               num_blocks=max(map(max, tables)) + 1, seed=seed)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    native_ops = TorchOps()
+    plan = native_ops.plan(meta, k_cache, heads, query.dtype)
+    got = native_ops.attention(query, k_cache, v_cache, plan, 0.125)
+    # the gathered reference on the same values widened to float32, so a bfloat16 pool compares exactly
+    want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.125)
+    return got, want, plan.plan.decodes
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block"),
+                         [(9, 3, 64, 16), (6, 2, 128, 16), (4, 4, 64, 32), (6, 3, 40, 16), (2, 1, 8, 4)])
+def test_one_call_equals_the_gathered_path_for_lengths_around_block_edges(heads, kv_heads, dim, block):
+    # own lengths 1, a block minus one, exactly one and two blocks, a block plus one; a group of 3 and one of 6
+    # decodes (at 3 query heads per KV head, 9 and 18 rows: the second walks its prefix vectorized across
+    # rows), and two decodes sharing nothing; heads of 64 and 128 take the AVX-512 path where the CPU has it,
+    # 40 and 8 the plain one
+    groups = [(3, [1, block - 1, block]), (2, [2 * block, block + 1, 7, 1, block, 3 * block + 2]), (0, [5]),
+              (0, [2 * block])]
+    got, want, plan = both_paths(groups, heads, kv_heads, dim, block, seed=dim + block)
+    assert isinstance(plan, paged_decode.PagedPlan)
+    assert torch.allclose(got, want, atol=1e-5)
 
 
 @settings(max_examples=25, deadline=None)
-@given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=6), rows=st.integers(1, 20), seed=st.integers(0, 99))
-def test_in_place_attention_equals_the_gathered_copy_for_any_lengths(kernel, lens, rows, seed):
-    query, k_cache, v_cache, blocks, mask, lengths = items(lens, 3, rows, 16, 8, seed)
-    want, want_lse = gathered(query, k_cache, v_cache, blocks, mask, lengths, 0.3)
-    got, got_lse = kernel.attend(query, k_cache, v_cache, blocks, lengths, 0.3)
-    assert torch.allclose(got, want, atol=1e-5) and torch.allclose(got_lse, want_lse.float(), atol=1e-5)
+@given(groups=st.lists(st.tuples(st.integers(0, 4), st.lists(st.integers(1, 40), min_size=1, max_size=9)),
+                       min_size=1, max_size=4),
+       per_kv=st.sampled_from([1, 2, 3, 4]), seed=st.integers(0, 99))
+def test_one_call_equals_the_gathered_path_for_any_groups(groups, per_kv, seed):
+    got, want, _ = both_paths(groups, 2 * per_kv, 2, 16, 8, seed)
+    assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_a_bfloat16_pool_is_widened_exactly_before_the_float32_arithmetic(kernel):
-    lens = [5, 16, 33]
-    query, k_cache, v_cache, blocks, mask, lengths = items(lens, 2, 3, 64, 16, seed=4, dtype=torch.bfloat16)
-    # the gathered path on the same values widened to float32 is the exact reference
-    want, want_lse = gathered(query, k_cache.float(), v_cache.float(), blocks, mask, lengths, 0.125)
-    got, got_lse = kernel.attend(query, k_cache, v_cache, blocks, lengths, 0.125)
-    assert torch.allclose(got, want, atol=1e-5) and torch.allclose(got_lse, want_lse, atol=1e-5)
+def test_a_group_above_the_set_size_is_split_into_sets_that_each_read_the_prefix(kernel):
+    # 40 decodes over one 3-block prefix at 3 query heads per KV head: 120 rows, so sets of 16 members (48
+    # rows): 16 + 16 + 8, each walking the shared 3 blocks (48 tokens) once
+    got, want, plan = both_paths([(3, list(range(1, 41)))], 9, 3, 64, 16, seed=3)
+    assert plan.sets[:, 1:].tolist() == [[16, 48], [16, 48], [8, 48]]
+    assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_an_item_that_reads_no_token_gets_zeros_and_minus_infinity(kernel):
-    query, k_cache, v_cache, blocks, _, _ = items([4, 4], 2, 3, 16, 4, seed=5)
-    got, got_lse = kernel.attend(query, k_cache, v_cache, blocks, torch.tensor([0, 4]), 0.5)
-    assert torch.equal(got[0], torch.zeros_like(got[0])) and bool(torch.isneginf(got_lse[0]).all())
-    assert bool(torch.isfinite(got_lse[1]).all())
+def test_sets_are_ordered_by_the_tokens_their_rows_read_largest_first(kernel):
+    # a lone decode of 300 tokens reads more than the pair (2 x (32 + 5)): it goes first, the 20-token one last
+    _, _, plan = both_paths([(0, [300]), (2, [5, 5]), (0, [20])], 6, 2, 16, 16, seed=1)
+    assert plan.sets.tolist() == [[0, 1, 0], [1, 2, 32], [3, 1, 0]]
 
 
-def test_the_torch_path_gives_the_same_decode_attention_with_and_without_the_kernel(kernel):
-    shared = [3, 4, 5]
-    tables = [shared + [20, 21], shared + [22], shared + [23, 24, 25], [30, 31]]
-    query, k_cache, v_cache, meta = flat_batch([1, 1, 1, 1], [19, 14, 23, 7], tables, seed=21)
-    native, plain = TorchOps(), TorchOps(native=False)
-    assert plain._attend is gathered and native._attend is not gathered
-    got = native.attention(query, k_cache, v_cache, meta, 0.25)
-    assert torch.allclose(got, plain.attention(query, k_cache, v_cache, meta, 0.25), atol=1e-5)
+def test_a_bfloat16_pool_is_widened_exactly_before_the_float32_arithmetic():
+    got, want, _ = both_paths([(2, [5, 16, 33]), (0, [7])], 9, 3, 64, 16, seed=4, dtype=torch.bfloat16)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_a_bfloat16_model_gets_its_decode_rows_back_in_bfloat16(kernel):
+    # a step with a chunk beside the decodes: the kernel writes the decode rows, the chunk's row stays the torch
+    # path's; a float32 scratch output is copied back to the model's dtype
+    tables, lens = decodes([(2, [3, 9])], 4)
+    tables.append([40, 41])
+    query, k_cache, v_cache, meta = flat_batch([1, 1, 3], [*lens, 7], tables, num_blocks=64, seed=6)
+    query = query.to(torch.bfloat16)
+    got = TorchOps().attention(query, k_cache, v_cache, meta, 0.25)
+    want = TorchOps(native=False).attention(query, k_cache, v_cache, meta, 0.25)
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want.float(), atol=1e-2)
+
+
+def test_the_plain_build_for_a_cpu_without_avx512_gives_the_same_attention(tmp_path):
+    # built here with AVX-512 switched off, as -march=native makes it on such a CPU (it failed to compile once)
+    library = tmp_path / "plain.so"
+    subprocess.run([os.environ.get("CXX") or "c++", *native.FLAGS, "-mno-avx512f", "-o", str(library),
+                    str(native.SOURCES / "paged_decode.cpp")], check=True, capture_output=True)
+    tables, lens = decodes([(3, [1, 15, 16, 40]), (0, [9])], 16)
+    query, k_cache, v_cache, meta = flat_batch([1] * 5, lens, tables, 9, 3, 64, 16, num_blocks=64, seed=8)
+    plain = TorchOps()
+    plain._paged = paged_decode.PagedDecode(ctypes.CDLL(str(library)))
+    got = plain.attention(query, k_cache, v_cache, meta, 0.125)
+    assert torch.allclose(got, TorchOps(native=False).attention(query, k_cache, v_cache, meta, 0.125), atol=1e-5)
+
+
+def test_without_the_kernel_decodes_are_gathered():
+    tables, lens = decodes([(2, [3, 9])], 4)
+    query, k_cache, v_cache, meta = flat_batch([1, 1], lens, tables, num_blocks=64)
+    assert isinstance(TorchOps(native=False).plan(meta, k_cache, 6, query.dtype).plan.decodes, DecodePlan)
+    # a KV dtype the kernel lacks is gathered too
+    assert isinstance(TorchOps().plan(meta, k_cache.half(), 6, query.dtype).plan.decodes, DecodePlan)
 
 
 def test_the_library_is_built_once_per_source_and_cpu_then_reused(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""Decode attention on the CPU: each shared prefix read once per group, and no query scanning another's blocks.
+"""Decode attention on the CPU where the in-place kernel (paged_decode.py) is not built, and its reference: each
+shared prefix read once per group, and no query scanning another's blocks.
 
 A step's decodes are keyed by the deepest prefix blocks they share (`prefix_groups.by_deepest_prefix`).
 Attention then runs as two batched fused calls and a log-sum-exp merge:
@@ -16,7 +17,6 @@ answers (benchmarks/cpu_ops.py has the side-by-side figure).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +24,6 @@ import torch
 
 from batchprefill.intmath import cdiv
 from batchprefill.kernels.interface import AttentionMetadata
-from batchprefill.kernels.paged_decode import PagedDecode
 from batchprefill.kernels.prefix_groups import PADDING_BUDGET, by_deepest_prefix
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -37,7 +36,6 @@ class SharedBatch:
     members: torch.Tensor  # [NG, M] index into the plan's decodes (padding repeats a real member)
     blocks: torch.Tensor  # [NG, P] shared block ids, padded with block 0
     mask: torch.Tensor  # [NG, 1, 1, P*block] additive: 0 on a real shared key, -inf on padding
-    lens: torch.Tensor  # [NG] int64 shared tokens of each group (what the in-place kernel reads)
     real: torch.Tensor  # positions in members.flatten() that are real members
     decodes: torch.Tensor  # the plan's decode index of each of those
 
@@ -47,8 +45,11 @@ class DecodePlan:
     rows: torch.Tensor  # [S] flat-batch row of each decode
     own_blocks: torch.Tensor  # [S, O] each decode's own block ids, padded with block 0
     own_mask: torch.Tensor  # [S, 1, 1, O*block] additive: 0 up to the decode's position, -inf after
-    own_tokens: torch.Tensor  # [S] int64 tokens in each decode's own blocks (what the in-place kernel reads)
     shared: list[SharedBatch]
+
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               out: torch.Tensor) -> None:
+        decode_attention(query, k_cache, v_cache, scale, self, out)
 
 
 def plan_decodes(meta: AttentionMetadata, decodes: list[int], tables: list[list[int]], block: int,
@@ -74,7 +75,7 @@ def plan_decodes(meta: AttentionMetadata, decodes: list[int], tables: list[list[
     query_start = np.cumsum([0, *meta.query_lens_host])
     to = lambda array: torch.from_numpy(array).to(device)  # noqa: E731
     return DecodePlan(rows=to(query_start[decodes].astype(np.int64)), own_blocks=to(own_blocks),
-                      own_mask=_additive(visible, dtype, device)[:, None, None, :], own_tokens=to(own_tokens),
+                      own_mask=_additive(visible, dtype, device)[:, None, None, :],
                       shared=[_shared_batch(batch, block, dtype, device) for batch in _batches(groups)])
 
 
@@ -100,7 +101,6 @@ def _shared_batch(batch: list, block: int, dtype: torch.dtype, device: torch.dev
     members = np.zeros((len(batch), width), dtype=np.int64)
     real = np.zeros((len(batch), width), dtype=bool)
     blocks = np.zeros((len(batch), depth), dtype=np.int64)
-    lens = np.array([len(prefix) * block for prefix, _ in batch], dtype=np.int64)
     visible = np.zeros((len(batch), depth * block), dtype=bool)
     for g, (prefix, group_members) in enumerate(batch):
         members[g] = group_members[-1]
@@ -111,7 +111,7 @@ def _shared_batch(batch: list, block: int, dtype: torch.dtype, device: torch.dev
     positions = np.flatnonzero(real)
     to = lambda array: torch.from_numpy(array).to(device)  # noqa: E731
     return SharedBatch(members=to(members), blocks=to(blocks),
-                       mask=_additive(visible, dtype, device)[:, None, None, :], lens=to(lens), real=to(positions),
+                       mask=_additive(visible, dtype, device)[:, None, None, :], real=to(positions),
                        decodes=to(members.reshape(-1)[positions]))
 
 
@@ -127,47 +127,27 @@ def _keys(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torc
     return gathered.transpose(1, 2).to(dtype)
 
 
-# Attention of query sets `[items, Hkv, rows, D]` over each item's blocks `[items, width]`, given both as a
-# padding mask `[items, 1, 1, width*block]` and as token counts `[items]`: (output, log-sum-exp `[items, Hkv,
-# rows]`). Two implementations, chosen once by the backend: gathered (a padded copy, then a fused call) and
-# in place (the C++ kernel reading the pool).
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
-                  tuple[torch.Tensor, torch.Tensor]]
-
-
 def gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-             mask: torch.Tensor, lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks gathered into a padded copy, then one fused call under the padding mask."""
+             mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query sets `[items, Hkv, rows, D]` over their blocks `[items, width]` gathered into a padded copy, then one
+    fused call under the padding mask `[items, 1, 1, width*block]`: (output, log-sum-exp `[items, Hkv, rows]`)."""
     return _flash(q, _keys(k_cache, blocks, q.dtype), _keys(v_cache, blocks, q.dtype), 0.0, False, attn_mask=mask,
                   scale=scale)
 
 
-def in_place(kernel: PagedDecode) -> Attend:
-    """The C++ kernel reading each item's blocks where they lie (KV dtypes it lacks an entry for are gathered)."""
-
-    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-               mask: torch.Tensor, lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if not kernel.supports(k_cache.dtype):
-            return gathered(q, k_cache, v_cache, blocks, mask, lens, scale)
-        out, lse = kernel.attend(q, k_cache, v_cache, blocks, lens, scale)
-        return out.to(q.dtype), lse
-
-    return attend
-
-
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                     plan: DecodePlan, out: torch.Tensor, attend: Attend = gathered) -> None:
+                     plan: DecodePlan, out: torch.Tensor) -> None:
     """Writes every planned decode's attention `[Hq, D]` into `out` at its flat-batch row."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     count = plan.rows.shape[0]
     per_kv = query.shape[1] // num_kv_heads
     q = query.index_select(0, plan.rows).view(count, num_kv_heads, per_kv, head_dim)
-    result, lse = attend(q, k_cache, v_cache, plan.own_blocks, plan.own_mask, plan.own_tokens, scale)
+    result, lse = gathered(q, k_cache, v_cache, plan.own_blocks, plan.own_mask, scale)
     for batch in plan.shared:
         groups, members = batch.members.shape
         grouped = q.index_select(0, batch.members.reshape(-1)).view(groups, members, num_kv_heads, per_kv, head_dim)
         grouped = grouped.transpose(1, 2).reshape(groups, num_kv_heads, members * per_kv, head_dim)
-        shared, shared_lse = attend(grouped, k_cache, v_cache, batch.blocks, batch.mask, batch.lens, scale)
+        shared, shared_lse = gathered(grouped, k_cache, v_cache, batch.blocks, batch.mask, scale)
         shared = shared.view(groups, num_kv_heads, members, per_kv, head_dim).transpose(1, 2)
         shared = shared.reshape(groups * members, num_kv_heads, per_kv, head_dim).index_select(0, batch.real)
         shared_lse = shared_lse.view(groups, num_kv_heads, members, per_kv).transpose(1, 2)

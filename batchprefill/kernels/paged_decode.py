@@ -1,54 +1,119 @@
-"""Decode attention read in place from the paged KV pool: a small C++ kernel (`csrc/paged_decode.cpp`, built and
-loaded by `native.py`).
+"""A step's decode attention read in place from the paged KV pool, one C++ call per layer (`csrc/paged_decode.cpp`,
+built and loaded by `native.py`).
 
-Why: on the CPU a decode's own blocks were gathered into a padded copy (`index_select`) before a fused call,
-per layer and step. With long answers that copy is most of the step: at 80 decodes with 450 own tokens each
-(SmolLM2-135M, float32, 2 threads) the gather took 440 ms and the fused call on the copy 250 ms of a 1,270 ms
-step. The kernel walks each decode's block list and keeps an online softmax, reading every key and value once
-where it lies (`benchmarks/cpu_ops.py` has the side-by-side figure).
+Why in place: on the CPU a decode's own blocks were gathered into a padded copy (`index_select`) before a fused
+call, per layer and step. With long answers that copy is most of the step: at 80 decodes with 450 own tokens
+each (SmolLM2-135M, float32, 2 threads) the gather took 440 ms and the fused call on the copy 250 ms of a
+1,270 ms step. The kernel walks each decode's block list and keeps an online softmax, reading every key and
+value once where it lies.
+
+Why one call: decodes that share a prefix form a set; the set's rows walk the shared blocks together, then each
+member goes on over its own, in the same online softmax. The shared and own halves used to be two calls joined
+by a log-sum-exp merge in torch, some 25 small ops per layer: 18 ms of a 230 ms step at 80 decodes in 9 groups
+(BENCHMARKS.md has the before and after).
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from batchprefill.intmath import cdiv
 from batchprefill.kernels import native
+from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.kernels.prefix_groups import by_deepest_prefix
 
 _ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
+# A set holds at most this many query rows (members x query heads per KV head): a larger group is split into
+# sets that each read the shared prefix once, so one big group still spreads over the threads (work items are
+# sets x KV heads) while its prefix is read once per 16 members at SmolLM2's 3 query heads per KV head.
+MAX_SET_ROWS = 48
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """A step's decodes as the kernel reads them, built once for every layer (layouts in the C++ source)."""
+
+    kernel: PagedDecode
+    sets: torch.Tensor  # [num_sets, 3] int64: first member, member count, shared tokens
+    shared_blocks: torch.Tensor  # [num_sets, width] int64
+    rows: torch.Tensor  # [decodes] int64 flat-batch row of each member, sets' members adjacent
+    own_blocks: torch.Tensor  # [decodes, width] int64
+    own_lens: torch.Tensor  # [decodes] int64
+
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               out: torch.Tensor) -> None:
+        """Writes every planned decode's attention `[Hq, D]` into `out` (`[tokens, Hq, D]`) at its row."""
+        self.kernel.run(self, query, k_cache, v_cache, scale, out)
+
 
 class PagedDecode:
-    """The loaded kernel: `attend` for every KV dtype it has an entry point for."""
+    """The loaded kernel: plans a step's decodes and runs them, for every KV dtype it has an entry point for."""
 
     def __init__(self, library: ctypes.CDLL):
         self._functions = {}
         for dtype, name in _ENTRY_POINTS.items():
             function = getattr(library, name)
             function.restype = None
-            function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 6 + [ctypes.c_float] + \
-                [ctypes.c_void_p] * 2 + [ctypes.c_int]
+            function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_void_p,
+                                                                                 ctypes.c_int]
             self._functions[dtype] = function
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._functions
 
-    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-               lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each item's query rows `[items, Hkv, rows, D]` against the first `lens[i]` tokens of its blocks
-        `[items, width]` (int64): the attention `[items, Hkv, rows, D]` and its log-sum-exp `[items, Hkv, rows]`,
-        both float32; an item with no token gets zeros and -inf."""
-        items, kv_heads, rows, dim = query.shape
-        query = query.to(torch.float32).contiguous()
-        blocks, lens = blocks.contiguous(), lens.contiguous()
-        out = torch.empty_like(query)
-        lse = torch.empty(items, kv_heads, rows, dtype=torch.float32)
+    def plan(self, meta: AttentionMetadata, decodes: list[int], tables: list[list[int]], block: int,
+             per_kv: int) -> PagedPlan | None:
+        """Sets of decodes sharing a prefix (`prefix_groups.by_deepest_prefix`), at most MAX_SET_ROWS rows each;
+        a decode that shares nothing with another is a set of one. Largest sets first: items are taken in order
+        by whichever thread is free, so the longest ones do not start last."""
+        if not decodes:
+            return None
+        most = max(1, MAX_SET_ROWS // per_kv)
+        sets: list[tuple[tuple[int, ...], list[int]]] = []
+        for prefix, members in by_deepest_prefix(meta, decodes, tables, block).items():
+            if prefix and len(members) > 1:
+                sets += [(prefix, members[i : i + most]) for i in range(0, len(members), most)]
+            else:
+                sets += [((), [s]) for s in members]
+        seq_lens = meta.seq_lens_host
+        sets.sort(key=lambda item: -sum(seq_lens[s] for s in item[1]))  # rows x tokens read, / per_kv
+        query_start = np.cumsum([0, *meta.query_lens_host])
+        order = [s for _, members in sets for s in members]
+        shared_of = np.repeat([len(prefix) for prefix, _ in sets], [len(members) for _, members in sets])
+        own_lens = np.array([seq_lens[s] for s in order], dtype=np.int64) - shared_of * block
+        own_blocks = np.zeros((len(order), max(1, cdiv(int(own_lens.max()), block))), dtype=np.int64)
+        for i, s in enumerate(order):
+            own = tables[s][shared_of[i] : cdiv(seq_lens[s], block)]
+            own_blocks[i, : len(own)] = own
+        shared_blocks = np.zeros((len(sets), max(1, max(len(prefix) for prefix, _ in sets))), dtype=np.int64)
+        layout = np.zeros((len(sets), 3), dtype=np.int64)
+        first = 0
+        for i, (prefix, members) in enumerate(sets):
+            shared_blocks[i, : len(prefix)] = prefix
+            layout[i] = (first, len(members), len(prefix) * block)
+            first += len(members)
+        return PagedPlan(self, torch.from_numpy(layout), torch.from_numpy(shared_blocks),
+                         torch.from_numpy(query_start[order].astype(np.int64)), torch.from_numpy(own_blocks),
+                         torch.from_numpy(own_lens))
+
+    def run(self, plan: PagedPlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+            out: torch.Tensor) -> None:
+        _, q_heads, dim = query.shape
+        kv_heads = k_cache.shape[2]
+        query = query.to(torch.float32).contiguous()  # held here: the call must not outlive a temporary
+        target = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(query)
         self._functions[k_cache.dtype](
-            query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), lens.data_ptr(),
-            items, blocks.shape[1], k_cache.shape[1], kv_heads, rows, dim, scale, out.data_ptr(), lse.data_ptr(),
-            torch.get_num_threads())
-        return out, lse
+            query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            plan.sets.data_ptr(), plan.shared_blocks.data_ptr(), plan.rows.data_ptr(), plan.own_blocks.data_ptr(),
+            plan.own_lens.data_ptr(), plan.sets.shape[0], plan.shared_blocks.shape[1], plan.own_blocks.shape[1],
+            k_cache.shape[1], kv_heads, q_heads // kv_heads, dim, scale, target.data_ptr(), torch.get_num_threads())
+        if target is not out:
+            out.index_copy_(0, plan.rows, target.index_select(0, plan.rows).to(out.dtype))
 
 
 def load() -> PagedDecode | None:

@@ -1,7 +1,8 @@
 """`TorchOps`: the `Ops` interface in plain torch, the CPU path and the reference for the kernels.
 
-On the CPU, a step's decodes go through shared-prefix decode attention (`decode_groups.py`): each group's shared
-blocks read once, each decode's own blocks read in place by the C++ kernel (`paged_decode.py`). Short chunks go
+On the CPU, a step's decodes go through shared-prefix decode attention, one C++ call per layer that reads the pool
+in place (`paged_decode.py`; where it is not built, gathered copies and fused calls, `decode_groups.py`): each
+group's shared blocks read once, then each decode's own. Short chunks go
 through group attention (`prefix_groups.py`): a few fused calls for the whole step. Chunks too long for its
 dense mask run one fused call each.
 """
@@ -14,10 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from batchprefill.intmath import cdiv
-from batchprefill.kernels import paged_decode
-from batchprefill.kernels.decode_groups import DecodePlan, decode_attention, gathered, in_place, plan_decodes
+from batchprefill.kernels import native_elementwise, paged_decode, torch_elementwise
+from batchprefill.kernels.decode_groups import DecodePlan, plan_decodes
 from batchprefill.kernels.experts import torch_experts
 from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.kernels.paged_decode import PagedPlan
 from batchprefill.kernels.prefix_groups import GroupBatch, batch_groups, find_groups, group_attention, pad_batch
 
 # Chunks with at most this many query-key pairs go through group attention: at that size a fused call is
@@ -49,7 +51,7 @@ class TorchPlan:
     """A step's attention layout on the torch path: its decodes, its batches of grouped short chunks, and the
     chunks that run alone."""
 
-    decodes: DecodePlan | None
+    decodes: PagedPlan | DecodePlan | None  # either attends with `.attend(query, k, v, scale, out)`
     batches: list[GroupBatch]
     alone: list[int]  # chunks too long for group attention
 
@@ -61,9 +63,11 @@ class TorchOps:
 
     def __init__(self, native: bool = True):
         """`native`: decodes read the pool in place through the C++ kernel where it builds (`paged_decode.py`);
-        otherwise, and where it cannot be built, each decode's blocks are gathered into a padded copy."""
-        kernel = paged_decode.load() if native else None
-        self._attend = in_place(kernel) if kernel is not None else gathered
+        otherwise, where it cannot be built, and for KV dtypes it lacks, each decode's blocks are gathered."""
+        self._paged = paged_decode.load() if native else None
+        elementwise = native_elementwise.load() if native else None  # RMSNorm and RoPE in one pass per row
+        self.rms_norm = elementwise.rms_norm if elementwise is not None else torch_elementwise.rms_norm
+        self.rope = elementwise.rope if elementwise is not None else torch_elementwise.rope
 
     def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
              ) -> AttentionMetadata:
@@ -77,8 +81,11 @@ class TorchOps:
         alone = [s for s, n in enumerate(lens) if n > 1 and pairs[s] > GROUPED_MAX_PAIRS]
         batches = [pad_batch(batch, meta, block, num_q_heads // num_kv_heads, dtype, k_cache.device)
                    for batch in batch_groups(find_groups(meta, chunks, tables, block), meta)]
-        return meta.with_plan(TorchPlan(plan_decodes(meta, decodes, tables, block, dtype, k_cache.device),
-                                        batches, alone))
+        if self._paged is not None and self._paged.supports(k_cache.dtype):
+            decode_plan = self._paged.plan(meta, decodes, tables, block, num_q_heads // num_kv_heads)
+        else:
+            decode_plan = plan_decodes(meta, decodes, tables, block, dtype, k_cache.device)
+        return meta.with_plan(TorchPlan(decode_plan, batches, alone))
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         if bool((slot_mapping < 0).any()):  # only padded batches skip rows: avoid masking the common case
@@ -101,7 +108,7 @@ class TorchOps:
             meta = self.plan(meta, k_cache, query.shape[1], query.dtype)
         out = torch.empty_like(query)
         if meta.plan.decodes is not None:
-            decode_attention(query, k_cache, v_cache, scale, meta.plan.decodes, out, self._attend)
+            meta.plan.decodes.attend(query, k_cache, v_cache, scale, out)
         for batch in meta.plan.batches:
             group_attention(query, k_cache, v_cache, scale, batch, out)
         for s in meta.plan.alone:
@@ -149,27 +156,6 @@ class TorchOps:
             result = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = result[0].transpose(0, 1)
 
-    def rms_norm(self, x, weight, eps, residual=None):
-        if residual is not None:
-            x = x + residual
-        x32 = x.float()
-        inverse_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
-        return (x32 * inverse_rms).mul_(weight).to(x.dtype), x
-
-    def rope(self, query, key, positions, cos_sin):
-        table = cos_sin[positions]  # per call: layers may differ in their table (Gemma 3's two RoPE bases)
-        half = table.shape[-1] // 2
-        cos, sin = table[:, None, :half], table[:, None, half:]
-        cos, signed_sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
-        return _rotate(query, cos, signed_sin), _rotate(key, cos, signed_sin)
-
     def moe(self, hidden, experts, topk_weights, topk_ids):
         return torch_experts(hidden, experts, topk_weights, topk_ids)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE in three ops: x * cos + (x2, x1) * (-sin, sin)."""
-    half = x.shape[-1] // 2
-    x32 = x.float()
-    swapped = torch.cat([x32[..., half:], x32[..., :half]], dim=-1)
-    return torch.addcmul(x32 * cos, swapped, signed_sin).to(x.dtype)

@@ -1,0 +1,63 @@
+"""RMSNorm (residual add folded in) and RoPE on the CPU, one pass over each row in C++ (`csrc/elementwise.cpp`,
+built and loaded by `native.py`); the source says why. Float32 CPU tensors take it; anything else runs the
+torch ops (torch_elementwise.py), which are also its reference."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from batchprefill.kernels import native, torch_elementwise
+
+
+def _takes(*tensors: torch.Tensor) -> bool:
+    """Float32 CPU tensors whose last dimension is contiguous: the layout the C++ loops index."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+
+
+class NativeElementwise:
+    def __init__(self, library: ctypes.CDLL):
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        self._norm = library.add_rms_norm_f32
+        self._norm.restype = None
+        self._norm.argtypes = [pointer, size, pointer, size, pointer, size, size, ctypes.c_float, pointer, pointer,
+                               ctypes.c_int]
+        self._rope = library.rope_f32
+        self._rope.restype = None
+        self._rope.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer, ctypes.c_int]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `torch_elementwise.rms_norm`: (norm(x + residual) * weight, x + residual), x itself with no residual."""
+        pair = (x,) if residual is None else (x, residual)
+        if x.dim() != 2 or not _takes(*pair) or not weight.is_contiguous() or not _takes(weight):
+            return torch_elementwise.rms_norm(x, weight, eps, residual)
+        rows, cols = x.shape
+        normed = torch.empty(rows, cols)
+        total = x if residual is None else torch.empty(rows, cols)
+        self._norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                   0 if residual is None else residual.stride(0), weight.data_ptr(), rows, cols, eps,
+                   normed.data_ptr(), None if residual is None else total.data_ptr(), torch.get_num_threads())
+        return normed, total
+
+    def rope(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `torch_elementwise.rope`, into new contiguous tensors."""
+        if not (_takes(query, key, cos_sin) and cos_sin.is_contiguous() and positions.dtype == torch.int64
+                and positions.is_contiguous()):
+            return torch_elementwise.rope(query, key, positions, cos_sin)
+        return self._rotated(query, positions, cos_sin), self._rotated(key, positions, cos_sin)
+
+    def _rotated(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        tokens, heads, width = x.shape
+        out = torch.empty(tokens, heads, width)
+        self._rope(x.data_ptr(), x.stride(0), x.stride(1), heads, positions.data_ptr(), cos_sin.data_ptr(), width,
+                   tokens, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+def load() -> NativeElementwise | None:
+    """The kernels, or None where they are disabled or cannot be built."""
+    library = native.library("elementwise")
+    return None if library is None else NativeElementwise(library)

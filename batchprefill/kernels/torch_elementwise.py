@@ -1,0 +1,32 @@
+"""RMSNorm and RoPE as plain torch ops: the reference, and what runs where the C++ ones (native_elementwise.py)
+do not (no compiler, dtypes other than float32, other devices)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    inverse_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
+    return (x32 * inverse_rms).mul_(weight).to(x.dtype), x
+
+
+def rope(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    table = cos_sin[positions]  # per call: layers may differ in their table (Gemma 3's two RoPE bases)
+    half = table.shape[-1] // 2
+    cos, sin = table[:, None, :half], table[:, None, half:]
+    cos, signed_sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    return _rotate(query, cos, signed_sin), _rotate(key, cos, signed_sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in three ops: x * cos + (x2, x1) * (-sin, sin)."""
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    swapped = torch.cat([x32[..., half:], x32[..., :half]], dim=-1)
+    return torch.addcmul(x32 * cos, swapped, signed_sin).to(x.dtype)

@@ -1,0 +1,70 @@
+"""The C++ RMSNorm and RoPE (native_elementwise.py) give what the torch ops give, on the layouts the model hands
+them, and leave what they do not take to torch."""
+
+import pytest
+import torch
+
+from batchprefill.kernels import native_elementwise, torch_elementwise
+from batchprefill.kernels.torch_ops import TorchOps
+
+
+@pytest.fixture(scope="module")
+def kernels() -> native_elementwise.NativeElementwise:
+    built = native_elementwise.load()
+    assert built is not None, "the elementwise kernels must build here (a C++ compiler is on this machine)"
+    return built
+
+
+@pytest.mark.parametrize("rows", [1, 80, 600])  # 600 rows: split across threads
+def test_rms_norm_with_the_residual_add_equals_the_torch_ops(kernels, rows):
+    generator = torch.Generator().manual_seed(rows)
+    x, residual, weight = (torch.randn(rows, 576, generator=generator), torch.randn(rows, 576, generator=generator),
+                           torch.randn(576, generator=generator))
+    normed, total = kernels.rms_norm(x, weight, 1e-5, residual)
+    want_normed, want_total = torch_elementwise.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(total, want_total)  # one float32 add either way
+    assert torch.allclose(normed, want_normed, atol=1e-5)
+
+
+def test_rms_norm_without_a_residual_returns_the_input_itself_and_reads_strided_rows(kernels):
+    base = torch.randn(7, 100)
+    x = base[:, 10:74]  # rows 100 floats apart
+    normed, same = kernels.rms_norm(x, torch.ones(64), 1e-6)
+    assert same is x
+    assert torch.allclose(normed, torch_elementwise.rms_norm(x, torch.ones(64), 1e-6)[0], atol=1e-6)
+    # mean of squares 1 after the norm, the weight being ones
+    assert torch.allclose(normed.pow(2).mean(-1), torch.ones(7), atol=1e-5)
+
+
+def test_rope_on_views_of_the_fused_projection_equals_the_torch_ops(kernels):
+    # q and k as the decoder makes them: views of one [T, q + 2 kv] projection, and a partial rotary slice
+    generator = torch.Generator().manual_seed(2)
+    qkv = torch.randn(30, 9 * 64 + 2 * 3 * 64, generator=generator)
+    q, k = qkv[:, : 9 * 64].view(30, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(30, 3, 64)
+    positions = torch.randint(0, 100, (30,), generator=generator)
+    table = torch.randn(100, 64, generator=generator)
+    for got, want in zip(kernels.rope(q, k, positions, table), torch_elementwise.rope(q, k, positions, table)):
+        assert got.is_contiguous() and torch.allclose(got, want, atol=1e-6)
+    partial = table[:, :32].contiguous()
+    for got, want in zip(kernels.rope(q[..., :32], k[..., :32], positions, partial),
+                         torch_elementwise.rope(q[..., :32], k[..., :32], positions, partial)):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_position_zero_leaves_the_heads_unrotated(kernels):
+    # cos 1 and sin 0 at position 0 (as rope_cos_sin makes it): the output is the input
+    x = torch.randn(2, 3, 8)
+    table = torch.cat([torch.ones(1, 4), torch.zeros(1, 4)], dim=1)
+    got, _ = kernels.rope(x, x, torch.zeros(2, dtype=torch.int64), table)
+    assert torch.equal(got, x)
+
+
+def test_other_dtypes_run_the_torch_ops(kernels):
+    x, weight = torch.randn(4, 16).to(torch.bfloat16), torch.ones(16, dtype=torch.bfloat16)
+    normed, _ = kernels.rms_norm(x, weight, 1e-5)
+    assert normed.dtype == torch.bfloat16 and torch.equal(normed, torch_elementwise.rms_norm(x, weight, 1e-5)[0])
+
+
+def test_the_torch_backend_takes_them_only_when_native(kernels):
+    assert TorchOps(native=False).rms_norm is torch_elementwise.rms_norm
+    assert TorchOps().rope.__func__ is native_elementwise.NativeElementwise.rope
