@@ -1,5 +1,5 @@
-"""The C++ RMSNorm and RoPE (native_elementwise.py) give what the torch ops give, on the layouts the model hands
-them, and leave what they do not take to torch."""
+"""The C++ RMSNorm, RoPE and KV store (native_elementwise.py) give what the torch ops give, on the layouts the
+model hands them, and leave what they do not take to torch."""
 
 import pytest
 import torch
@@ -59,6 +59,21 @@ def test_position_zero_leaves_the_heads_unrotated(kernels):
     assert torch.equal(got, x)
 
 
+def test_the_kv_store_writes_each_token_at_its_slot_and_skips_padding(kernels):
+    # value as the decoder hands it: a view of the fused projection, rows 7 x 8 floats apart
+    generator = torch.Generator().manual_seed(3)
+    key = torch.randn(3, 2, 8, generator=generator)
+    value = torch.randn(3, 7 * 8, generator=generator)[:, 8:24].view(3, 2, 8)
+    slots = torch.tensor([5, -1, 12])  # the middle token is a padded batch's filler
+    pools = [torch.zeros(4, 4, 2, 8) for _ in range(4)]
+    kernels.store_kv(key, value, pools[0], pools[1], slots)
+    torch_elementwise.store_kv(key, value, pools[2], pools[3], slots)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    flat = pools[0].view(16, 2, 8)
+    assert torch.equal(flat[5], key[0]) and torch.equal(flat[12], key[2])
+    assert int((pools[1].view(16, -1).abs().sum(-1) > 0).sum()) == 2  # nothing written for the filler
+
+
 def test_other_dtypes_run_the_torch_ops(kernels):
     x, weight = torch.randn(4, 16).to(torch.bfloat16), torch.ones(16, dtype=torch.bfloat16)
     normed, _ = kernels.rms_norm(x, weight, 1e-5)
@@ -68,3 +83,4 @@ def test_other_dtypes_run_the_torch_ops(kernels):
 def test_the_torch_backend_takes_them_only_when_native(kernels):
     assert TorchOps(native=False).rms_norm is torch_elementwise.rms_norm
     assert TorchOps().rope.__func__ is native_elementwise.NativeElementwise.rope
+    assert TorchOps().store_kv.__func__ is native_elementwise.NativeElementwise.store_kv

@@ -1,6 +1,6 @@
-"""RMSNorm (residual add folded in) and RoPE on the CPU, one pass over each row in C++ (`csrc/elementwise.cpp`,
-built and loaded by `native.py`); the source says why. Float32 CPU tensors take it; anything else runs the
-torch ops (torch_elementwise.py), which are also its reference."""
+"""RMSNorm (residual add folded in), RoPE and the KV store on the CPU, one pass over each row in C++
+(`csrc/elementwise.cpp`, built and loaded by `native.py`); the source says why. Float32 CPU tensors take it;
+anything else runs the torch ops (torch_elementwise.py), which are also its reference."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ class NativeElementwise:
         self._rope = library.rope_f32
         self._rope.restype = None
         self._rope.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer, ctypes.c_int]
+        self._store = library.store_kv_f32
+        self._store.restype = None
+        self._store.argtypes = [pointer, size, pointer, size, pointer, size, size, pointer, pointer]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +58,22 @@ class NativeElementwise:
         self._rope(x.data_ptr(), x.stride(0), x.stride(1), heads, positions.data_ptr(), cos_sin.data_ptr(), width,
                    tokens, out.data_ptr(), torch.get_num_threads())
         return out
+
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """As `torch_elementwise.store_kv`: key and value `[T, Hkv, D]` into the pool at their slots (-1: skipped)."""
+        tokens, heads, dim = key.shape
+        if not (_takes(key, value, k_cache, v_cache) and _rows(key) and _rows(value) and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+            return torch_elementwise.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        self._store(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slot_mapping.data_ptr(), tokens,
+                    heads * dim, k_cache.data_ptr(), v_cache.data_ptr())
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """Each token's heads adjacent, so a token is one contiguous row of Hkv x D floats."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def load() -> NativeElementwise | None:

@@ -1,5 +1,5 @@
-"""RMSNorm and RoPE as plain torch ops: the reference, and what runs where the C++ ones (native_elementwise.py)
-do not (no compiler, dtypes other than float32, other devices)."""
+"""RMSNorm, RoPE and the KV store as plain torch ops: the reference, and what runs where the C++ ones
+(native_elementwise.py) do not (no compiler, dtypes other than float32, other devices)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,15 @@ def rope(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_si
     cos, sin = table[:, None, :half], table[:, None, half:]
     cos, signed_sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
     return _rotate(query, cos, signed_sin), _rotate(key, cos, signed_sin)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    if bool((slot_mapping < 0).any()):  # only padded batches skip rows: avoid masking the common case
+        keep = slot_mapping >= 0
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -65,9 +65,11 @@ class TorchOps:
         """`native`: decodes read the pool in place through the C++ kernel where it builds (`paged_decode.py`);
         otherwise, where it cannot be built, and for KV dtypes it lacks, each decode's blocks are gathered."""
         self._paged = paged_decode.load() if native else None
-        elementwise = native_elementwise.load() if native else None  # RMSNorm and RoPE in one pass per row
-        self.rms_norm = elementwise.rms_norm if elementwise is not None else torch_elementwise.rms_norm
-        self.rope = elementwise.rope if elementwise is not None else torch_elementwise.rope
+        elementwise = native_elementwise.load() if native else None  # per-token ops in one pass per row
+        plain = elementwise is None
+        self.rms_norm = torch_elementwise.rms_norm if plain else elementwise.rms_norm
+        self.rope = torch_elementwise.rope if plain else elementwise.rope
+        self.store_kv = torch_elementwise.store_kv if plain else elementwise.store_kv
 
     def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
              ) -> AttentionMetadata:
@@ -86,13 +88,6 @@ class TorchOps:
         else:
             decode_plan = plan_decodes(meta, decodes, tables, block, dtype, k_cache.device)
         return meta.with_plan(TorchPlan(decode_plan, batches, alone))
-
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        if bool((slot_mapping < 0).any()):  # only padded batches skip rows: avoid masking the common case
-            keep = slot_mapping >= 0
-            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
     def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                   window: int | None = None) -> torch.Tensor:

@@ -1,5 +1,5 @@
-// The CPU path's per-token elementwise ops, each one pass over its rows: RMSNorm with the residual add folded
-// in, and rotate-half RoPE of queries and keys together.
+// The CPU path's per-token ops, each one pass over its rows: RMSNorm with the residual add folded in,
+// rotate-half RoPE, and the new keys and values written into the paged pool.
 //
 // Why: in a decode step these run between matmuls that stream the weights through the caches, so their
 // tensors are cold, and torch runs RMSNorm as seven ops and RoPE as about ten, each writing a fresh output to
@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 constexpr int64_t kParallelRows = 512;
@@ -70,6 +71,17 @@ void rope_f32(const float* x, int64_t token_stride, int64_t head_stride, int64_t
         target[half + d] = second[d] * cos[d] + first[d] * sin[d];
       }
     }
+  }
+}
+
+// Each token's key and value row ([kv_heads * dim] floats, rows strided) into its pool slot; a negative slot
+// (a padding row) is skipped. torch did this as a mask test that synchronises, then two index copies.
+void store_kv_f32(const float* key, int64_t key_stride, const float* value, int64_t value_stride,
+                  const int64_t* slots, int64_t tokens, int64_t width, float* k_cache, float* v_cache) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(k_cache + slots[t] * width, key + t * key_stride, width * 4);
+    std::memcpy(v_cache + slots[t] * width, value + t * value_stride, width * 4);
   }
 }
 }
