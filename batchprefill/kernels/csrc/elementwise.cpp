@@ -10,8 +10,6 @@
 // A step of a few hundred rows runs on the calling thread (no wake-up of the pool for 50 us of work); long
 // prefill chunks are split across threads.
 
-#include <omp.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>

@@ -407,12 +407,23 @@ void walk_few(const float* query, int64_t n, const Pool<Cache>& pool, const int6
 // From this many rows a set walks its shared prefix vectorized across rows (walk_many).
 constexpr int64_t kManyRows = 16;
 
+// A step's sets and decodes as the planner laid them out (see the layouts at the top).
+struct Plan {
+  const int64_t* sets;
+  const int64_t* shared_blocks;
+  const int64_t* rows;
+  const int64_t* own_blocks;
+  const int64_t* own_lens;
+  int64_t num_sets, shared_width, own_width, per_kv;
+};
+
 template <bool Wide, typename Cache>
-void decode_sets(const float* query, const Cache* k_cache, const Cache* v_cache, const int64_t* sets,
-                 const int64_t* shared_blocks, const int64_t* rows, const int64_t* own_blocks,
-                 const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width, int64_t block,
-                 int64_t kv_heads, int64_t per_kv, int64_t dim, float scale, float* out, int threads) {
-  const Pool<Cache> pool{k_cache, v_cache, block, kv_heads, dim, kv_heads * dim, block * kv_heads * dim};
+void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, float scale, float* out,
+                 int threads) {
+  const int64_t* sets = plan.sets;
+  const int64_t* rows = plan.rows;
+  const int64_t num_sets = plan.num_sets, per_kv = plan.per_kv;
+  const int64_t block = pool.block, kv_heads = pool.heads, dim = pool.dim;
   const int64_t q_heads = kv_heads * per_kv, row_stride = q_heads * dim;
   int64_t decodes = 0, most = per_kv;
   for (int64_t set = 0; set < num_sets; ++set) {
@@ -460,10 +471,10 @@ void decode_sets(const float* query, const Cache* k_cache, const Cache* v_cache,
         for (int64_t h = 0; h < kv_heads; ++h)
           for (int64_t r = 0; r < n; ++r)
             for (int64_t d = 0; d < dim; ++d) transposed[(h * dim + d) * width + r] = query_rows[(h * n + r) * dim + d];
-        walk_many(transposed, n, width, pool, shared_blocks + set * shared_width, shared, s, maxes, sums, acc);
+        walk_many(transposed, n, width, pool, plan.shared_blocks + set * plan.shared_width, shared, s, maxes, sums, acc);
 #endif
       } else {
-        walk_few<Wide>(query_rows, n, pool, shared_blocks + set * shared_width, shared, s, maxes, sums, acc);
+        walk_few<Wide>(query_rows, n, pool, plan.shared_blocks + set * plan.shared_width, shared, s, maxes, sums, acc);
       }
       for (int64_t m = 0; m < members; ++m) {
         const int64_t decode = first + m;
@@ -497,7 +508,7 @@ void decode_sets(const float* query, const Cache* k_cache, const Cache* v_cache,
       float* query_rows = s.rows.data();  // [heads][per_kv][dim]: the flat batch's own layout
       const float* source = query + rows[decode] * row_stride;
       for (int64_t i = 0; i < row_stride; ++i) query_rows[i] = scale * source[i];
-      walk_few<Wide>(query_rows, per_kv, pool, own_blocks + decode * own_width, own_lens[decode], s, maxes, sums,
+      walk_few<Wide>(query_rows, per_kv, pool, plan.own_blocks + decode * plan.own_width, plan.own_lens[decode], s, maxes, sums,
                      target);
       for (int64_t q = 0; q < q_heads; ++q) {
         const float inverse = sums[q] > 0.0f ? 1.0f / sums[q] : 0.0f;  // a row that read no token gets zeros
@@ -509,21 +520,19 @@ void decode_sets(const float* query, const Cache* k_cache, const Cache* v_cache,
 }
 
 template <typename Cache>
-void run(const float* query, const Cache* k_cache, const Cache* v_cache, const int64_t* sets,
-         const int64_t* shared_blocks, const int64_t* rows, const int64_t* own_blocks, const int64_t* own_lens,
-         int64_t num_sets, int64_t shared_width, int64_t own_width, int64_t block, int64_t kv_heads, int64_t per_kv,
-         int64_t dim, float scale, float* out, int threads) {
+void run(const float* query, const Cache* k_cache, const Cache* v_cache, const Plan& plan, int64_t block,
+         int64_t kv_heads, int64_t dim, float scale, float* out, int threads) {
+  const Pool<Cache> pool{k_cache, v_cache, block, kv_heads, dim, kv_heads * dim, block * kv_heads * dim};
   if (kWide && dim % 16 == 0) {
-    decode_sets<kWide>(query, k_cache, v_cache, sets, shared_blocks, rows, own_blocks, own_lens, num_sets,
-                       shared_width, own_width, block, kv_heads, per_kv, dim, scale, out, threads);
+    decode_sets<kWide>(query, pool, plan, scale, out, threads);
   } else {
-    decode_sets<false>(query, k_cache, v_cache, sets, shared_blocks, rows, own_blocks, own_lens, num_sets,
-                       shared_width, own_width, block, kv_heads, per_kv, dim, scale, out, threads);
+    decode_sets<false>(query, pool, plan, scale, out, threads);
   }
 }
 
 }  // namespace
 
+// The entry points, one per pool dtype (ctypes passes the plan's arrays one by one).
 extern "C" {
 
 void paged_decode_f32(const float* query, const float* k_cache, const float* v_cache, const int64_t* sets,
@@ -531,8 +540,8 @@ void paged_decode_f32(const float* query, const float* k_cache, const float* v_c
                       const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width,
                       int64_t block, int64_t kv_heads, int64_t per_kv, int64_t dim, float scale, float* out,
                       int threads) {
-  run(query, k_cache, v_cache, sets, shared_blocks, rows, own_blocks, own_lens, num_sets, shared_width, own_width,
-      block, kv_heads, per_kv, dim, scale, out, threads);
+  const Plan plan{sets, shared_blocks, rows, own_blocks, own_lens, num_sets, shared_width, own_width, per_kv};
+  run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads);
 }
 
 void paged_decode_bf16(const float* query, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* sets,
@@ -540,7 +549,7 @@ void paged_decode_bf16(const float* query, const uint16_t* k_cache, const uint16
                        const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width,
                        int64_t block, int64_t kv_heads, int64_t per_kv, int64_t dim, float scale, float* out,
                        int threads) {
-  run(query, k_cache, v_cache, sets, shared_blocks, rows, own_blocks, own_lens, num_sets, shared_width, own_width,
-      block, kv_heads, per_kv, dim, scale, out, threads);
+  const Plan plan{sets, shared_blocks, rows, own_blocks, own_lens, num_sets, shared_width, own_width, per_kv};
+  run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads);
 }
 }
