@@ -9,8 +9,9 @@ value once where it lies.
 
 Why one call: decodes that share a prefix form a set; the set's rows walk the shared blocks together, then each
 member goes on over its own, in the same online softmax. The shared and own halves used to be two calls joined
-by a log-sum-exp merge in torch, some 25 small ops per layer: 16 ms of a 189 ms step at 80 decodes in 9 groups;
-one call is 2.3-3.3x the gathered path at 40-450 own tokens (BENCHMARKS.md, session 5).
+by a log-sum-exp merge in torch, some 25 small ops per layer: 12.4 ms of a 183 ms decode step at 80 decodes in 9
+groups (benchmarks/step_ops.py); one call is 2.3-3.3x the gathered path at 40-450 own tokens (BENCHMARKS.md,
+session 5).
 """
 
 from __future__ import annotations

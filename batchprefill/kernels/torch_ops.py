@@ -73,7 +73,8 @@ class TorchOps:
 
     def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
              ) -> AttentionMetadata:
-        """Group the step's sequences once for all layers: decodes by the prefix they share (decode_groups.py),
+        """Group the step's sequences once for all layers: decodes by the prefix they share (paged_decode.py, or
+        decode_groups.py where the kernel is not built or lacks the KV dtype),
         short chunks into padded group batches (prefix_groups.py), long chunks alone."""
         block, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         lens, tables = meta.query_lens_host, meta.block_tables.tolist()

@@ -3,12 +3,12 @@
 //
 // Why: in a decode step these run between matmuls that stream the weights through the caches, so their
 // tensors are cold, and torch runs RMSNorm as seven ops and RoPE as about ten, each writing a fresh output to
-// cold memory: at 80 decodes (SmolLM2-135M, float32) one RMSNorm took 196 us cold against 39 us hot, and the
-// two together took 15 ms of a 184 ms step. Here each row is read once and written once: in the same job
-// RMSNorm took 6.1 ms and RoPE 2.8 ms per step, against 10.3 and 7.9 (BENCHMARKS.md, session 5).
+// cold memory. Here each row is read once and written once: at 80 decodes (SmolLM2-135M, float32,
+// benchmarks/step_ops.py) RMSNorm, RoPE and the KV store took 4.5, 1.9 and 1.5 ms of a decode step against
+// 7.7, 5.7 and 3.1 ms as torch ops (BENCHMARKS.md, session 5).
 //
-// A step of a few hundred rows runs on the calling thread (no wake-up of the pool for 50 us of work); long
-// prefill chunks are split across threads.
+// A step of a few hundred rows runs on the calling thread (too little work to split); long prefill chunks are
+// split across threads.
 
 #include <cmath>
 #include <cstdint>

@@ -6,9 +6,9 @@
 // its own blocks. Every row keeps one online softmax (running max, running sum, weighted values) across both
 // walks, carried between them in the output rows and a small buffer, so nothing is merged afterwards: the
 // Python merge of a shared and an own attention (index copies, log-sum-exp and rescaling, some 25 small torch
-// ops per layer) took 16 ms of a 189 ms decode step at 80 decodes. A walk reads whole blocks, every KV head of
-// a token together: reading one head's slice of each token left the hardware prefetcher fetching the others'
-// (23% slower at 450 own tokens). Items run in parallel on the OpenMP runtime torch has already loaded (the
+// ops per layer) took 12.4 ms of a 183 ms decode step at 80 decodes (benchmarks/step_ops.py). A walk reads whole
+// blocks, every KV head of a token together: a trial reading one head's slice of each token was slower on long
+// answers (the hardware prefetcher fetches the other heads' bytes anyway). Items run in parallel on the OpenMP runtime torch has already loaded (the
 // library links libgomp.so.1, which resolves to torch's copy), so the kernel and torch's ops share one pool.
 //
 // Layouts (all contiguous):
