@@ -1,18 +1,6 @@
-"""`batchprefill-run`: the Hydra entry point of a job."""
+"""`python -m batchprefill.run`: the same as `batchprefill-run` (cli/run.py)."""
 
-from __future__ import annotations
-
-from batchprefill.cli import hydra_app
-from batchprefill.settings import JobSettings
-
-
-def run(job: JobSettings) -> None:
-    from batchprefill.job import run_job  # after Hydra parsed the command line: --help stays fast
-
-    run_job(job)
-
-
-main = hydra_app("batchprefill", run)
+from batchprefill.cli.run import main
 
 if __name__ == "__main__":
     main()

@@ -36,10 +36,11 @@ import torch.nn.functional as F
 
 from batchprefill import malloc
 from batchprefill.intmath import cdiv
-from batchprefill.kernels import native_elementwise, torch_elementwise
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.linear import Linear
-from batchprefill.kernels.torch_ops import TorchOps, _cached_then_causal
+from batchprefill.kernels.native import elementwise as native_elementwise
+from batchprefill.kernels.torch import elementwise as torch_elementwise
+from batchprefill.kernels.torch.ops import TorchOps, _cached_then_causal
 
 HIDDEN, INTERMEDIATE, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 49152, 9, 3, 64
 PROJECTIONS = {"qkv": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "o": (HIDDEN, HIDDEN),

@@ -131,7 +131,7 @@ def main() -> None:
     report: dict = {"questions": len(pairs) // 4, "requests": len(pairs), "ideal_prompt_tokens": ideal,
                     "prompt_tokens_without_reuse": sum(len(c) + len(x) for c, x in pairs)}
     model_args = f"pretrained={model_folder},dtype=float32"
-    wall, results, log = run_lm_eval("batchprefill.eval", "batchprefill", model_args, tasks, args.work,
+    wall, results, log = run_lm_eval("batchprefill.cli.eval", "batchprefill", model_args, tasks, args.work,
                                      args.work / "out-bp", limit)
     computed = int(re.search(r"loglikelihood: \d+ requests, \d+ prompt tokens, (\d+) computed", log).group(1))
     report["batchprefill"] = {"process_seconds": wall, "computed_prompt_tokens": computed,

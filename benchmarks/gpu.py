@@ -41,8 +41,8 @@ from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 from batchprefill.engine.decode_graphs import PaddedDecode  # noqa: E402
 from batchprefill.kernels.interface import AttentionMetadata  # noqa: E402
-from batchprefill.kernels.torch_ops import TorchOps  # noqa: E402
-from batchprefill.kernels.triton_ops import TritonOps  # noqa: E402
+from batchprefill.kernels.torch.ops import TorchOps  # noqa: E402
+from batchprefill.kernels.triton.ops import TritonOps  # noqa: E402
 from batchprefill.model.rope import rope_cos_sin  # noqa: E402
 from tests.synthetic import random_paged_batch  # noqa: E402
 

@@ -22,7 +22,7 @@ import torch
 from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine, StepRecord
 from batchprefill.engine.request import Request, SamplingParams
-from batchprefill.kernels.triton_ops import TritonOps
+from batchprefill.kernels.triton.ops import TritonOps
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
 

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from batchprefill.kernels.experts import ExpertWeights, torch_experts
-from batchprefill.kernels.triton_moe import fused_experts
+from batchprefill.kernels.triton.moe import fused_experts
 from batchprefill.model.moe import route
 
 

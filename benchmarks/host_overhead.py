@@ -45,7 +45,7 @@ def tiny_model():
         from batchprefill.model.llama import ModelConfig
 
     try:
-        from batchprefill.kernels.torch_ops import TorchOps
+        from batchprefill.kernels.torch.ops import TorchOps
     except ImportError:  # revisions before the kernels were split
         from batchprefill.kernels.ops import TorchOps
     config = ModelConfig(
@@ -106,8 +106,8 @@ def measure() -> dict:
     try:  # as a job does: the order stage's shared-block counts let neighbours share block keys
         import pyarrow as pa
 
-        from batchprefill.job import link_prefix_donors
-        from batchprefill.order import shared_with_previous
+        from batchprefill.pipeline.order import shared_with_previous
+        from batchprefill.pipeline.run import link_prefix_donors
 
         link_prefix_donors(requests, shared_with_previous(pa.chunked_array([prompts]),
                                                           pa.chunked_array([[""] * len(prompts)]), 16))

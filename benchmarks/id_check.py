@@ -29,9 +29,9 @@ ID_CHUNK_ROWS = 1 << 22
 
 
 def id_pass(path: Path) -> dict:
-    from batchprefill.dataset import open_dataset, record_batches
-    from batchprefill.prepare import ID_READ_ROWS
-    from batchprefill.unique_ids import check_unique_ids
+    from batchprefill.io.dataset import open_dataset, record_batches
+    from batchprefill.io.unique_ids import check_unique_ids
+    from batchprefill.pipeline.partitions import ID_READ_ROWS
 
     dataset = open_dataset([path], "parquet")
     rows = dataset.count_rows()
@@ -42,7 +42,7 @@ def id_pass(path: Path) -> dict:
 
 
 def decode_pass(path: Path) -> dict:
-    from batchprefill.dataset import open_dataset, record_batches
+    from batchprefill.io.dataset import open_dataset, record_batches
 
     return {"bytes": sum(b.nbytes for b in record_batches(open_dataset([path], "parquet"), READ_BATCH_ROWS))}
 

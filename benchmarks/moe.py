@@ -27,7 +27,7 @@ from batchprefill import malloc
 from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request, SamplingParams
-from batchprefill.kernels.torch_ops import TorchOps
+from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.moe import MoeConfig, SparseMoe

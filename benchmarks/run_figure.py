@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from batchprefill.run_figure import write_run_figure  # noqa: E402
+from batchprefill.report.run_figure import write_run_figure  # noqa: E402
 from tests.test_run_figure import synthetic_stats  # noqa: E402
 
 REPEATS = 3

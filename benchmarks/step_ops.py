@@ -31,16 +31,16 @@ REPO = Path(__file__).resolve().parents[1]
 OPS = [
     ("batchprefill.kernels.linear", "Linear", "__call__", "linear"),
     ("batchprefill.model.lm_head", "LMHead", "greedy_tokens", "lm_head"),
-    ("batchprefill.kernels.torch_ops", "TorchOps", "attention", "attention"),
-    ("batchprefill.kernels.paged_decode", "PagedDecode", "attend", "decode kernel"),  # before one call per layer
-    ("batchprefill.kernels.paged_decode", "PagedDecode", "run", "decode kernel"),
-    ("batchprefill.kernels.torch_ops", "TorchOps", "rms_norm", "rms_norm"),  # torch methods before session 5
-    ("batchprefill.kernels.torch_ops", "TorchOps", "rope", "rope"),
-    ("batchprefill.kernels.torch_ops", "TorchOps", "store_kv", "store_kv"),
-    ("batchprefill.kernels.native_elementwise", "NativeElementwise", "rms_norm", "rms_norm"),
-    ("batchprefill.kernels.native_elementwise", "NativeElementwise", "rope", "rope"),
-    ("batchprefill.kernels.native_elementwise", "NativeElementwise", "store_kv", "store_kv"),
-    ("batchprefill.kernels.torch_ops", "TorchOps", "plan", "plan"),
+    ("batchprefill.kernels.torch.ops", "TorchOps", "attention", "attention"),
+    ("batchprefill.kernels.native.paged_decode", "PagedDecode", "attend", "decode kernel"),  # before one call per layer
+    ("batchprefill.kernels.native.paged_decode", "PagedDecode", "run", "decode kernel"),
+    ("batchprefill.kernels.torch.ops", "TorchOps", "rms_norm", "rms_norm"),  # torch methods before session 5
+    ("batchprefill.kernels.torch.ops", "TorchOps", "rope", "rope"),
+    ("batchprefill.kernels.torch.ops", "TorchOps", "store_kv", "store_kv"),
+    ("batchprefill.kernels.native.elementwise", "NativeElementwise", "rms_norm", "rms_norm"),
+    ("batchprefill.kernels.native.elementwise", "NativeElementwise", "rope", "rope"),
+    ("batchprefill.kernels.native.elementwise", "NativeElementwise", "store_kv", "store_kv"),
+    ("batchprefill.kernels.torch.ops", "TorchOps", "plan", "plan"),
 ]
 
 
@@ -90,7 +90,7 @@ def measure(args) -> dict:
     import workloads
 
     totals, counts = instrument()
-    from batchprefill.run import main as run_main
+    from batchprefill.cli.run import main as run_main
 
     with tempfile.TemporaryDirectory() as work:
         path = workloads.decode_heavy(args.tokens).write(Path(work))

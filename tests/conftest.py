@@ -32,7 +32,7 @@ def tokenizer(model_folder):
 @pytest.fixture(scope="session")
 def loaded_model(model_folder):
     """SmolLM2-135M on the torch path in float32: one load for the whole session."""
-    from batchprefill.kernels.torch_ops import TorchOps
+    from batchprefill.kernels.torch.ops import TorchOps
     from batchprefill.model.loader import load_model
 
     return load_model(model_folder, torch.float32, torch.device("cpu"), TorchOps())

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchprefill.cli import BUG_EXIT_STATUS, reported_errors
-from batchprefill.dataset import open_dataset, record_batches, resolve_input
+from batchprefill.cli.app import BUG_EXIT_STATUS, reported_errors
 from batchprefill.errors import JobError
-from batchprefill.unique_ids import FIRST_ROW, ID, ROW, IdBuckets, check_unique_ids
+from batchprefill.io.dataset import open_dataset, record_batches, resolve_input
+from batchprefill.io.unique_ids import FIRST_ROW, ID, ROW, IdBuckets, check_unique_ids
 from tests.conftest import REPO, run_cli
 
 PROMPTS = ["What is the capital of France?", "Name three colors.", "What is 2+2?", "Who wrote Hamlet?"]
@@ -303,7 +303,7 @@ def test_a_misspelt_key_is_one_line_naming_it(tmp_path):
 
 
 BOOM = """
-from batchprefill.cli import hydra_app
+from batchprefill.cli.app import hydra_app
 
 def task(cfg):
     raise ZeroDivisionError("the bug under test")

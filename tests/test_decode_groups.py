@@ -3,7 +3,7 @@ group, own blocks per decode, merged by LSE."""
 
 import torch
 
-from batchprefill.kernels.torch_ops import TorchOps
+from batchprefill.kernels.torch.ops import TorchOps
 from tests.test_prefix_groups import flat_batch, one_by_one
 
 

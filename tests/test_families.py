@@ -20,7 +20,7 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchprefill.errors import JobError
-from batchprefill.kernels.torch_ops import TorchOps
+from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.model.families import read_config
 from batchprefill.model.loader import load_model, resolve_folder
 from batchprefill.model.rope import rope_cos_sin
@@ -106,7 +106,7 @@ def test_a_45_token_prompt_matches_transformers_at_every_position_in_chunks_of_5
 
 @pytest.mark.parametrize("kind", ["gemma3", "phi3"])
 def test_the_triton_kernels_give_the_torch_logits_on_q_k_norms_windows_and_partial_rotary(kind, family):
-    from batchprefill.kernels.triton_ops import TritonOps
+    from batchprefill.kernels.triton.ops import TritonOps
 
     folder, _ = family(kind)
     ids = random_prompt(30, seed=2)
@@ -197,7 +197,7 @@ def test_triton_and_the_padded_decode_buffers_give_torch_greedy_tokens_past_a_wi
     from batchprefill.engine.config import EngineConfig
     from batchprefill.engine.engine import Engine
     from batchprefill.engine.request import Request, SamplingParams
-    from batchprefill.kernels.triton_ops import TritonOps
+    from batchprefill.kernels.triton.ops import TritonOps
 
     folder, _ = family("mistral")
     prompts = [random_prompt(19, seed=5), random_prompt(12, seed=5) + random_prompt(5, seed=6)]

@@ -12,7 +12,7 @@ import transformers
 from gguf import GGUFWriter, TokenType
 
 from batchprefill.errors import JobError
-from batchprefill.kernels.torch_ops import TorchOps
+from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.model.loader import load_model, resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
 from tests.test_numerics import prefill_logits

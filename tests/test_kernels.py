@@ -12,9 +12,9 @@ import torch
 
 from batchprefill.engine.decode_graphs import PaddedDecode
 from batchprefill.kernels.interface import AttentionMetadata
-from batchprefill.kernels.torch_ops import TorchOps
-from batchprefill.kernels.triton_attention import _decode_kernel, _merge_kernel, _prefill_kernel
-from batchprefill.kernels.triton_ops import TritonOps, prefill_warps_and_stages
+from batchprefill.kernels.torch.ops import TorchOps
+from batchprefill.kernels.triton.attention import _decode_kernel, _merge_kernel, _prefill_kernel
+from batchprefill.kernels.triton.ops import TritonOps, prefill_warps_and_stages
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.rope import rope_cos_sin
@@ -236,7 +236,8 @@ def test_cache_dtype_differs_from_query(specs: list[tuple[int, int]]) -> None:
 def test_fp32_dots_run_as_tf32_only_when_torch_allows_it_else_exact_on_32_token_tiles(monkeypatch) -> None:
     """What a GPU would launch (the interpreter always runs exact fp32 dots): torch's default 'highest'
     keeps fp32 exact on half-width KV tiles and warns once; 'high' turns on TF32; bf16 is unaffected."""
-    from batchprefill.kernels import triton_attention, triton_ops
+    from batchprefill.kernels.triton import attention as triton_attention
+    from batchprefill.kernels.triton import ops as triton_ops
 
     monkeypatch.setattr(triton_attention, "interpreting", lambda: False)
     monkeypatch.setattr(triton_ops, "interpreting", lambda: False)

@@ -126,7 +126,7 @@ def lm_eval_run(command: list[str], model: str, model_folder: Path, tasks: Path,
 
 def test_batchprefill_eval_equals_the_hf_backend_on_three_local_tasks(tasks_and_model, tmp_path):
     tasks, model = tasks_and_model
-    ours = lm_eval_run([sys.executable, "-m", "batchprefill.eval"], "batchprefill", model, tasks, tmp_path / "bp")
+    ours = lm_eval_run([sys.executable, "-m", "batchprefill.cli.eval"], "batchprefill", model, tasks, tmp_path / "bp")
     theirs = lm_eval_run([sys.executable, "-m", "lm_eval"], "hf", model, tasks, tmp_path / "hf")
     assert ours["tiny_mc"]["acc,none"] == theirs["tiny_mc"]["acc,none"]
     assert ours["tiny_mc"]["acc_norm,none"] == theirs["tiny_mc"]["acc_norm,none"]
@@ -148,7 +148,7 @@ def test_batchprefill_eval_equals_the_hf_backend_on_three_local_tasks(tasks_and_
 
 def test_a_request_the_engine_cannot_serve_fails_the_run_in_one_line(tasks_and_model, tmp_path):
     tasks, model = tasks_and_model
-    done = run_cli([sys.executable, "-m", "batchprefill.eval", "--model", "batchprefill", "--model_args",
+    done = run_cli([sys.executable, "-m", "batchprefill.cli.eval", "--model", "batchprefill", "--model_args",
                     f"pretrained={model},dtype=float32,engine.kv_cache_tokens=64", "--tasks", "tiny_ppl",
                     "--include_path", str(tasks), "--output_path", str(tmp_path)], timeout=600)
     assert done.returncode != 0
@@ -160,7 +160,7 @@ def test_python_api_runs_the_registered_model(tasks_and_model):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from batchprefill.lm_eval_model import BatchprefillLM
+    from batchprefill.integrations.lm_eval import BatchprefillLM
 
     tasks, model = tasks_and_model
     results = lm_eval.simple_evaluate(model=BatchprefillLM(pretrained=str(model), dtype="float32"),

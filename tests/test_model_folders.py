@@ -11,7 +11,7 @@ from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request, SamplingParams
 from batchprefill.errors import JobError
-from batchprefill.kernels.torch_ops import TorchOps
+from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.families import read_config
 from batchprefill.model.loader import load_model, resolve_folder
@@ -72,7 +72,7 @@ def test_a_folder_without_a_tokenizer_is_a_job_error(tmp_path):
 def test_triton_backend_gives_the_torch_backend_greedy_tokens(tmp_path, model_folder):
     """A whole engine run under the Triton interpreter on a tiny random model: same tokens as torch, also
     through the padded decode buffers that CUDA graphs capture (run eagerly here: no GPU)."""
-    from batchprefill.kernels.triton_ops import TritonOps
+    from batchprefill.kernels.triton.ops import TritonOps
 
     save_tiny("llama", tmp_path, model_folder)
     config = read_config(tmp_path)

@@ -9,7 +9,7 @@ import transformers
 
 from batchprefill.kernels.experts import ExpertWeights, torch_experts
 from batchprefill.kernels.linear import Linear, onednn_packs
-from batchprefill.kernels.torch_ops import TorchOps
+from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.model.moe import SparseMoe, route
 
 
@@ -101,7 +101,7 @@ def _random_step(tokens: int, hidden: int, inter: int, num_experts: int, top_k: 
     (20, 64, 32, 3, 3),  # every token in every expert
 ], ids=["37-tokens-8-experts", "1-token", "all-experts"])
 def test_fused_triton_moe_matches_the_torch_grouped_path(tokens, hidden, inter, num_experts, top_k, dtype) -> None:
-    from batchprefill.kernels.triton_ops import TritonOps
+    from batchprefill.kernels.triton.ops import TritonOps
 
     x, experts, weights, ids = _random_step(tokens, hidden, inter, num_experts, top_k, dtype, seed=tokens)
     for_torch = ExpertWeights(experts.gate_up.clone(), experts.down.clone())  # the torch path may repack its own
@@ -112,7 +112,7 @@ def test_fused_triton_moe_matches_the_torch_grouped_path(tokens, hidden, inter, 
 
 
 def test_sorting_37_tokens_top_2_over_8_experts_pads_each_expert_to_whole_16_row_tiles() -> None:
-    from batchprefill.kernels.triton_moe import sort_by_expert
+    from batchprefill.kernels.triton.moe import sort_by_expert
 
     ids = torch.randint(0, 8, (37, 2), generator=torch.Generator().manual_seed(6))
     ids[:, 1] = (ids[:, 0] + 1) % 8  # two distinct experts per token, as top-k gives
@@ -132,7 +132,7 @@ def test_sorting_37_tokens_top_2_over_8_experts_pads_each_expert_to_whole_16_row
 
 @pytest.mark.skipif(not onednn_packs(torch.zeros(1)), reason="this torch build has no oneDNN")
 def test_experts_packed_for_the_cpu_keep_one_copy_and_refuse_the_fused_kernel() -> None:
-    from batchprefill.kernels.triton_ops import TritonOps
+    from batchprefill.kernels.triton.ops import TritonOps
 
     x, experts, weights, ids = _random_step(5, 32, 16, 4, 2, torch.float32, seed=7)
     TorchOps().moe(x, experts, weights, ids)

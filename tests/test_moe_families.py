@@ -15,7 +15,7 @@ import transformers
 from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request, SamplingParams
-from batchprefill.kernels.torch_ops import TorchOps
+from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.families import read_config
 from batchprefill.model.loader import load_model, resolve_folder
@@ -87,7 +87,7 @@ def test_moe_folder_matches_transformers_logits_at_every_position_in_16_token_ch
 def test_moe_greedy_tokens_equal_transformers_generate_on_both_backends(kind, tmp_path, model_folder):
     """12 greedy tokens after a 48-token prompt (past Mixtral's 32-token window), on the torch path and on
     the Triton kernels under the interpreter, against transformers' own generate."""
-    from batchprefill.kernels.triton_ops import TritonOps
+    from batchprefill.kernels.triton.ops import TritonOps
 
     reference = save_tiny_moe(kind, tmp_path, model_folder)
     with torch.no_grad():

@@ -4,8 +4,9 @@ model hands them, and leave what they do not take to torch."""
 import pytest
 import torch
 
-from batchprefill.kernels import native_elementwise, torch_elementwise
-from batchprefill.kernels.torch_ops import TorchOps
+from batchprefill.kernels.native import elementwise as native_elementwise
+from batchprefill.kernels.torch import elementwise as torch_elementwise
+from batchprefill.kernels.torch.ops import TorchOps
 
 
 @pytest.fixture(scope="module")

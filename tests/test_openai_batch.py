@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchprefill.openai_batch import SCHEMA, OpenAIBatchFile
-from batchprefill.openai_results import write_results_jsonl
+from batchprefill.io.openai_batch import SCHEMA, OpenAIBatchFile
+from batchprefill.io.openai_results import write_results_jsonl
 from tests.conftest import REPO, run_cli
 
 SYSTEMS = ["You answer in one short sentence.", "You are a geography teacher. Be brief."]
@@ -90,7 +90,7 @@ def test_a_million_line_file_streams_with_peak_memory_flat_after_its_first_batch
     # is measured from the end of the first batch of 8,192 lines to the end of the file.
     script = textwrap.dedent(f"""
         from pathlib import Path
-        from batchprefill.openai_batch import OpenAIBatchFile
+        from batchprefill.io.openai_batch import OpenAIBatchFile
         def peak_mb():  # VmHWM: this process's peak RSS (ru_maxrss would carry the parent's over exec)
             line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
             return int(line.split()[1]) / 1024

@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchprefill.intmath import cdiv
-from batchprefill.kernels import native, paged_decode
-from batchprefill.kernels.decode_groups import DecodePlan
-from batchprefill.kernels.torch_ops import TorchOps
+from batchprefill.kernels.native import build as native
+from batchprefill.kernels.native import paged_decode
+from batchprefill.kernels.torch.decode_groups import DecodePlan
+from batchprefill.kernels.torch.ops import TorchOps
 from tests.test_prefix_groups import flat_batch
 
 

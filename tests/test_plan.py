@@ -2,7 +2,7 @@
 end to end.
 
 The end-to-end checks recompute the ideal token count by brute force from the tokenizer, independently of
-`batchprefill.order`, so a slip in ordering, grouping or the one-token rule shows up as a wrong count.
+`batchprefill.pipeline.order`, so a slip in ordering, grouping or the one-token rule shows up as a wrong count.
 """
 
 from __future__ import annotations
@@ -15,8 +15,15 @@ import pytest
 
 from batchprefill.model.config import kv_bytes_per_token
 from batchprefill.model.families import read_config
-from batchprefill.plan import PLAN_SCHEMA, Tally, attention_pairs, prefill_flops, print_report, transfer_seconds
-from batchprefill.prepare import ERROR, NAMESPACE, ROW, TOKENS
+from batchprefill.pipeline.partitions import ERROR, NAMESPACE, ROW, TOKENS
+from batchprefill.pipeline.plan import (
+    PLAN_SCHEMA,
+    Tally,
+    attention_pairs,
+    prefill_flops,
+    print_report,
+    transfer_seconds,
+)
 from batchprefill.units import readable_bytes
 from tests.conftest import run_cli
 

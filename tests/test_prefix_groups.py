@@ -3,8 +3,8 @@
 import torch
 
 from batchprefill.kernels.interface import AttentionMetadata
-from batchprefill.kernels.prefix_groups import PADDING_BUDGET, batch_groups, find_groups
-from batchprefill.kernels.torch_ops import GROUPED_MAX_PAIRS, TorchOps
+from batchprefill.kernels.torch.ops import GROUPED_MAX_PAIRS, TorchOps
+from batchprefill.kernels.torch.prefix_groups import PADDING_BUDGET, batch_groups, find_groups
 
 
 def flat_batch(q_lens, seq_lens, tables, heads=6, kv_heads=2, dim=16, block=4, num_blocks=64, seed=0):
@@ -68,7 +68,7 @@ def test_a_mixed_batch_of_decodes_short_and_long_chunks_matches_each_sequence_al
 
 
 def test_chunks_too_long_for_a_dense_mask_run_alone(monkeypatch):
-    monkeypatch.setattr("batchprefill.kernels.torch_ops.GROUPED_MAX_PAIRS", 70 * 75 - 1)
+    monkeypatch.setattr("batchprefill.kernels.torch.ops.GROUPED_MAX_PAIRS", 70 * 75 - 1)
     assert GROUPED_MAX_PAIRS > 70 * 75  # the real limit groups this chunk; the lowered one does not
     tables = [[3, 4, 5, 20], list(range(40, 59))]
     query, k_cache, v_cache, meta = flat_batch([1, 70], [13, 75], tables, seed=4)
@@ -116,7 +116,7 @@ def test_long_chunks_over_a_short_shared_prefix_stay_apart():
 
 
 def test_a_batch_gathers_at_most_the_key_block_budget(monkeypatch):
-    monkeypatch.setattr("batchprefill.kernels.prefix_groups.MAX_BATCH_KEY_BLOCKS", 8)
+    monkeypatch.setattr("batchprefill.kernels.torch.prefix_groups.MAX_BATCH_KEY_BLOCKS", 8)
     tables = [[10 + 3 * i, 11 + 3 * i, 12 + 3 * i] for i in range(5)]  # five lone decodes of three blocks each
     query, k_cache, v_cache, meta = flat_batch([1] * 5, [10, 11, 12, 10, 9], tables, seed=8)
     batches = batch_groups(find_groups(meta, list(range(5)), tables, 4), meta)
@@ -126,12 +126,12 @@ def test_a_batch_gathers_at_most_the_key_block_budget(monkeypatch):
 
 
 def test_a_long_chunk_after_a_cached_prefix_splits_and_matches_the_masked_call(monkeypatch):
-    monkeypatch.setattr("batchprefill.kernels.torch_ops.SPLIT_CAUSAL_QUERIES", 16)
+    monkeypatch.setattr("batchprefill.kernels.torch.ops.SPLIT_CAUSAL_QUERIES", 16)
     tables = [list(range(10, 20))]
     query, k_cache, v_cache, meta = flat_batch([22], [37], tables, seed=9)  # 15 cached tokens, 22 new
     split = torch.full_like(query, float("nan"))
     TorchOps()._one_sequence(query, k_cache, v_cache, meta, 0.25, 0, split)
-    monkeypatch.setattr("batchprefill.kernels.torch_ops.SPLIT_CAUSAL_QUERIES", 10_000)
+    monkeypatch.setattr("batchprefill.kernels.torch.ops.SPLIT_CAUSAL_QUERIES", 10_000)
     masked = torch.full_like(query, float("nan"))
     TorchOps()._one_sequence(query, k_cache, v_cache, meta, 0.25, 0, masked)
     assert torch.allclose(split, masked, atol=1e-5)

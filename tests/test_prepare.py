@@ -19,11 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from batchprefill import prepare as prepare_module
-from batchprefill.dataset import Columns
+from batchprefill.io.dataset import Columns
 from batchprefill.model.tokenizer import PromptTokenizer
-from batchprefill.order import Group, assign_shards, groups, prefix_order, reusable_tokens
-from batchprefill.prepare import (
+from batchprefill.pipeline import partitions as prepare_module
+from batchprefill.pipeline.order import Group, assign_shards, groups, prefix_order, reusable_tokens
+from batchprefill.pipeline.partitions import (
     ERROR,
     NAMESPACE,
     PARTITION_TARGET_BYTES,
@@ -126,7 +126,7 @@ def test_a_rerun_reuses_the_manifest_and_a_changed_input_prepares_again(words, t
     source = _write(tmp_path / "in.parquet", ["w1 w2 w3"] * 10, [""] * 10)
     first, _ = _prepare(words, source, tmp_path / "p")
     with monkeypatch.context() as patched:
-        patched.setattr("batchprefill.prepare._spill", lambda *args: pytest.fail("prepared again"))
+        patched.setattr("batchprefill.pipeline.partitions._spill", lambda *args: pytest.fail("prepared again"))
         assert _prepare(words, source, tmp_path / "p", min_partitions=3)[0] == first  # the count is no reason
     _write(source, ["w1 w2 w3"] * 12, [""] * 12)
     again, tables = _prepare(words, source, tmp_path / "p")

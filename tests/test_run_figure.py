@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchprefill.run_figure import MAX_STEP_POINTS, bin_steps, draw_run, write_run_figure
+from batchprefill.report.run_figure import MAX_STEP_POINTS, bin_steps, draw_run, write_run_figure
 from tests.conftest import run_cli
 from tests.test_plan import PNG_SIGNATURE
 from tests.test_resume import FAST, make_prompts

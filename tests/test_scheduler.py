@@ -183,8 +183,8 @@ def test_keys_copied_from_a_neighbour_sharing_3_of_5_blocks_equal_keys_hashed_al
     keys a fresh scheduler hashes for it alone. A prompt of another namespace shares nothing."""
     import pyarrow as pa
 
-    from batchprefill.job import link_prefix_donors
-    from batchprefill.order import shared_with_previous
+    from batchprefill.pipeline.order import shared_with_previous
+    from batchprefill.pipeline.run import link_prefix_donors
 
     neighbour_tokens = list(range(1, 81))
     follower_tokens = list(neighbour_tokens)

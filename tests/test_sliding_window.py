@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from batchprefill.kernels.interface import AttentionMetadata
-from batchprefill.kernels.torch_ops import TorchOps
-from batchprefill.kernels.triton_ops import TritonOps
+from batchprefill.kernels.torch.ops import TorchOps
+from batchprefill.kernels.triton.ops import TritonOps
 from tests.synthetic import random_paged_batch
 
 

@@ -24,8 +24,8 @@ from batchprefill.engine.model_runner import ModelRunner
 from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import fork_sampling
 from batchprefill.engine.scheduler import Scheduler
+from batchprefill.engine.scheduler_output import Step
 from batchprefill.engine.scoring import ScoreRows, finish_scored, score_rows
-from batchprefill.engine.step import Step
 from batchprefill.model.decoder import DecoderModel
 
 if TYPE_CHECKING:  # xgrammar loads only for jobs that can be constrained

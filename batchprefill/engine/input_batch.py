@@ -15,7 +15,7 @@ import numpy as np
 
 from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import SamplingBatch, request_key
-from batchprefill.engine.step import Step
+from batchprefill.engine.scheduler_output import Step
 from batchprefill.intmath import cdiv
 
 

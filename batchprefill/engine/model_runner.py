@@ -10,7 +10,7 @@ from batchprefill.engine.input_batch import InputBatch, StepInputs
 from batchprefill.engine.kv_cache import allocate_kv_caches
 from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import SamplingBatch, argmax_for, sample
-from batchprefill.engine.step import Step
+from batchprefill.engine.scheduler_output import Step
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.model.decoder import DecoderModel
 

@@ -19,7 +19,7 @@ from collections import deque
 from batchprefill.engine.block_pool import BlockPool, block_key, scope_key
 from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.request import Request, Status
-from batchprefill.engine.step import ScheduledChunk, Step
+from batchprefill.engine.scheduler_output import ScheduledChunk, Step
 from batchprefill.intmath import cdiv
 
 

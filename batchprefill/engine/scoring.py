@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from batchprefill.engine.request import Request, SamplingParams
-from batchprefill.engine.step import ScheduledChunk
+from batchprefill.engine.scheduler_output import ScheduledChunk
 
 SCORE_SAMPLING = SamplingParams(max_tokens=0)  # a scored request samples nothing
 

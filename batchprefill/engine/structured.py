@@ -24,7 +24,7 @@ import torch
 from batchprefill.engine.constraint import GrammarError
 from batchprefill.engine.grammar import GrammarBatch, Grammars
 from batchprefill.engine.request import Request
-from batchprefill.engine.step import Step
+from batchprefill.engine.scheduler_output import Step
 
 FILL_THREADS = min(8, os.cpu_count() or 1)  # xgrammar's threads for one batch fill (grammar.py measured 2)
 

@@ -11,7 +11,7 @@ import torch
 
 from batchprefill.errors import JobError
 from batchprefill.kernels.interface import Ops
-from batchprefill.kernels.torch_ops import TorchOps
+from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.families import read_config
@@ -90,7 +90,7 @@ def make_ops(backend: str, device: torch.device) -> Ops:
         return TorchOps()
     if backend == "triton":
         try:
-            from batchprefill.kernels.triton_ops import TritonOps
+            from batchprefill.kernels.triton.ops import TritonOps
         except ImportError as error:
             raise JobError(f"engine.attention_backend=triton needs triton: {error}") from None
         return TritonOps()

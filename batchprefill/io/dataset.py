@@ -12,9 +12,9 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from batchprefill.errors import JobError
-from batchprefill.openai_batch import OpenAIBatchFile
+from batchprefill.io.openai_batch import OpenAIBatchFile
 
-SAMPLE_DIR = Path(__file__).resolve().parent.parent / "data_samples"
+SAMPLE_DIR = Path(__file__).resolve().parents[2] / "data_samples"
 PARQUET_MAGIC = b"PAR1"  # a Parquet file starts and ends with it; the footer sits just before the last one
 # What a damaged or foreign file raises while read; not MemoryError and the like, which are no fault of the file.
 UNREADABLE = (OSError, pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError)

@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchprefill.dataset import resolve_input
 from batchprefill.errors import JobError
+from batchprefill.io.dataset import resolve_input
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.loader import model_identity, read_model_config, resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
-from batchprefill.prepare import PARTITIONS_PER_SHARD, Manifest, PrepareSettings, prepare
+from batchprefill.pipeline.partitions import PARTITIONS_PER_SHARD, Manifest, PrepareSettings, prepare
 from batchprefill.settings import JobSettings
 
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from batchprefill.kernels.experts import ExpertWeights
-from batchprefill.kernels.triton_attention import interpreting
+from batchprefill.kernels.triton.attention import interpreting
 
 
 @triton.jit

@@ -5,14 +5,14 @@
 
 from __future__ import annotations
 
-from batchprefill.cli import reported_errors
+from batchprefill.cli.app import reported_errors
 
 
 def main() -> None:
     with reported_errors("batchprefill-eval"):
         from lm_eval.__main__ import cli_evaluate
 
-        import batchprefill.lm_eval_model  # noqa: F401 - registers the model `batchprefill`
+        import batchprefill.integrations.lm_eval  # noqa: F401 - registers the model `batchprefill`
         cli_evaluate()
 
 

@@ -1,7 +1,7 @@
 """OpenAI Batch API files in: a JSONL file of request lines, streamed as Arrow record batches.
 
 Every non-blank line becomes one row, a bad line included: its row carries `error_code` and `error_message`,
-never runs, and gets an error line in `results.jsonl` (`batchprefill.openai_results`). A row's `custom_id` is
+never runs, and gets an error line in `results.jsonl` (`batchprefill.io.openai_results`). A row's `custom_id` is
 its id; a line without a usable one (not JSON, no custom_id, or one an earlier line already used) gets
 `#line-<n>` (n counts lines from 1), so ids stay unique and a rerun gives the same ids.
 

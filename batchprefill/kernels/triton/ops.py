@@ -8,17 +8,17 @@ import numpy as np
 import torch
 import triton
 
-from batchprefill.kernels import triton_elementwise
 from batchprefill.kernels.experts import ExpertWeights
 from batchprefill.kernels.interface import AttentionMetadata
-from batchprefill.kernels.triton_attention import (
+from batchprefill.kernels.triton import elementwise as triton_elementwise
+from batchprefill.kernels.triton.attention import (
     MAX_SEGMENTS,
     decode_attention,
     dot_settings,
     interpreting,
     prefill_attention,
 )
-from batchprefill.kernels.triton_moe import fused_experts
+from batchprefill.kernels.triton.moe import fused_experts
 
 ALIGN = 4  # int32 entries: the decode rows start 16 bytes aligned inside the step's plan tensor
 

@@ -10,9 +10,9 @@ import pyarrow as pa
 
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request
-from batchprefill.order import Group
+from batchprefill.io.results import write_records
+from batchprefill.pipeline.order import Group
 from batchprefill.settings import Sharding
-from batchprefill.writer import write_records
 
 GROUP_SCHEMA = pa.schema([("group_id", pa.int64()), ("num_requests", pa.int64()),
                           ("shared_prefix_tokens", pa.int64()), ("prompt_tokens", pa.int64()),

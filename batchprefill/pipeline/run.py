@@ -16,7 +16,6 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
-from batchprefill.dataset import read_parquet
 from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.constraint import GrammarError
 from batchprefill.engine.engine import Engine
@@ -26,14 +25,15 @@ from batchprefill.engine.request import Request, SamplingParams, with_samples
 from batchprefill.engine.scoring import score_request
 from batchprefill.engine.structured import StructuredStep
 from batchprefill.errors import JobError
+from batchprefill.io.dataset import read_parquet
+from batchprefill.io.openai_results import write_results_jsonl
+from batchprefill.io.results import Outcome, ResultWriter, done_ids, result_fields, write_records
 from batchprefill.malloc import keep_freed_memory
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.loader import LoadedModel, load_model, make_ops, resolve_device, resolve_dtype
 from batchprefill.model.tokenizer import PromptTokenizer
-from batchprefill.openai_results import write_results_jsonl
-from batchprefill.order import Group, assign_shards, groups, reusable_tokens, run_order, shared_with_previous
-from batchprefill.preparation import Prepared, prepare_job
-from batchprefill.prepare import (
+from batchprefill.pipeline.order import Group, assign_shards, groups, reusable_tokens, run_order, shared_with_previous
+from batchprefill.pipeline.partitions import (
     CHOICES,
     ERROR,
     NAMESPACE,
@@ -43,11 +43,11 @@ from batchprefill.prepare import (
     partition_path,
     partition_records,
 )
-from batchprefill.request_params import max_output_tokens, may_be_constrained, partition_sampling
-from batchprefill.run_figure import write_run_figure
+from batchprefill.pipeline.prepare import Prepared, prepare_job
+from batchprefill.pipeline.request_params import max_output_tokens, may_be_constrained, partition_sampling
+from batchprefill.report.run_figure import write_run_figure
+from batchprefill.report.stats import JobTotals, job_row, print_summary, stats_dir, write_stats
 from batchprefill.settings import DataSettings, JobSettings
-from batchprefill.stats import JobTotals, job_row, print_summary, stats_dir, write_stats
-from batchprefill.writer import Outcome, ResultWriter, done_ids, result_fields, write_records
 
 SIGTERM_EXIT_STATUS = 143
 PARTITION_REMEDY = "delete output.dir/partitions and rerun: the job prepares them again and resumes"

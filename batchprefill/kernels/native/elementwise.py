@@ -8,7 +8,8 @@ import ctypes
 
 import torch
 
-from batchprefill.kernels import native, torch_elementwise
+from batchprefill.kernels.native import build as native
+from batchprefill.kernels.torch import elementwise as torch_elementwise
 
 
 def _takes(*tensors: torch.Tensor) -> bool:

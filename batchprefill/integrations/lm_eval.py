@@ -24,13 +24,13 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from batchprefill.cli import CONFIG_DIR
+from batchprefill.cli.app import CONFIG_DIR
 from batchprefill.engine.request import Request, SamplingParams
 from batchprefill.engine.scoring import score_request
 from batchprefill.errors import JobError
-from batchprefill.job import engine_on, load_job_model
 from batchprefill.model.loader import model_identity, read_model_config, resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
+from batchprefill.pipeline.run import engine_on, load_job_model
 from batchprefill.settings import JobSettings
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HF backend's default

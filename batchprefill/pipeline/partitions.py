@@ -36,11 +36,11 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from batchprefill.dataset import Columns, check_columns, open_dataset, record_batches
 from batchprefill.errors import JobError
+from batchprefill.io.dataset import Columns, check_columns, open_dataset, record_batches
+from batchprefill.io.openai_batch import OpenAIBatchFile
+from batchprefill.io.unique_ids import check_unique_ids
 from batchprefill.model.tokenizer import PromptTokenizer
-from batchprefill.openai_batch import OpenAIBatchFile
-from batchprefill.unique_ids import check_unique_ids
 from batchprefill.units import readable_bytes
 
 ROW, TOKENS, ERROR, NAMESPACE = "_bp_row", "_bp_tokens", "_bp_error", "_bp_namespace"

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from batchprefill.intmath import cdiv
-from batchprefill.kernels import native
 from batchprefill.kernels.interface import AttentionMetadata
-from batchprefill.kernels.prefix_groups import by_deepest_prefix
+from batchprefill.kernels.native import build as native
+from batchprefill.kernels.torch.prefix_groups import by_deepest_prefix
 
 _ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 

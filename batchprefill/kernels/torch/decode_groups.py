@@ -24,7 +24,7 @@ import torch
 
 from batchprefill.intmath import cdiv
 from batchprefill.kernels.interface import AttentionMetadata
-from batchprefill.kernels.prefix_groups import PADDING_BUDGET, by_deepest_prefix
+from batchprefill.kernels.torch.prefix_groups import PADDING_BUDGET, by_deepest_prefix
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 

@@ -32,17 +32,16 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from batchprefill.cli import hydra_app
-from batchprefill.dataset import read_parquet
 from batchprefill.errors import JobError
+from batchprefill.io.dataset import read_parquet
+from batchprefill.io.openai_results import write_results_jsonl
+from batchprefill.io.results import SAMPLE_INDEX, write_atomic, write_records
 from batchprefill.model.loader import resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
-from batchprefill.openai_results import write_results_jsonl
-from batchprefill.order import assign_shards
-from batchprefill.prepare import partition_path
-from batchprefill.run_figure import write_run_figure
+from batchprefill.pipeline.order import assign_shards
+from batchprefill.pipeline.partitions import partition_path
+from batchprefill.report.run_figure import write_run_figure
 from batchprefill.settings import JobSettings
-from batchprefill.writer import SAMPLE_INDEX, write_atomic, write_records
 
 SUMMED = ("num_requests", "num_errors", "prompt_tokens", "cached_tokens", "computed_prompt_tokens",
           "output_tokens", "evicted_blocks", "preemptions", "ideal_cached_tokens")
@@ -193,7 +192,7 @@ def merge_stats(stats: Path, folders: list[Path]) -> dict:
     return job
 
 
-def merge(job: JobSettings) -> str:
+def merge_shards(job: JobSettings) -> str:
     """Check, then combine; returns the summary line."""
     out = job.output.dir
     id_column = job.data.columns.id
@@ -228,12 +227,3 @@ def _shards_for_report(configured: int | None, from_stats: int, parts: dict[str,
     from_parts = max((int(m.group(1)) + 1 for m in numbers if m), default=1)
     return max(from_stats, from_parts)
 
-
-def _merge_and_report(job: JobSettings) -> None:
-    print(merge(job), file=sys.stderr)
-
-
-main = hydra_app("batchprefill-merge", _merge_and_report)
-
-if __name__ == "__main__":
-    main()

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchprefill.dataset import read_parquet
-from batchprefill.prepare import INTERNAL
+from batchprefill.io.dataset import read_parquet
+from batchprefill.pipeline.partitions import INTERNAL
 
 if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn
     from matplotlib.figure import Figure

@@ -15,12 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from batchprefill.intmath import cdiv
-from batchprefill.kernels import native_elementwise, paged_decode, torch_elementwise
-from batchprefill.kernels.decode_groups import DecodePlan, plan_decodes
 from batchprefill.kernels.experts import torch_experts
 from batchprefill.kernels.interface import AttentionMetadata
-from batchprefill.kernels.paged_decode import PagedPlan
-from batchprefill.kernels.prefix_groups import GroupBatch, batch_groups, find_groups, group_attention, pad_batch
+from batchprefill.kernels.native import elementwise as native_elementwise
+from batchprefill.kernels.native import paged_decode
+from batchprefill.kernels.native.paged_decode import PagedPlan
+from batchprefill.kernels.torch import elementwise as torch_elementwise
+from batchprefill.kernels.torch.decode_groups import DecodePlan, plan_decodes
+from batchprefill.kernels.torch.prefix_groups import GroupBatch, batch_groups, find_groups, group_attention, pad_batch
 
 # Chunks with at most this many query-key pairs go through group attention: at that size a fused call is
 # mostly fixed overhead, so batching pays. Longer chunks are real work and run alone, where the kernel can

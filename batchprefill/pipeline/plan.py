@@ -1,0 +1,221 @@
+"""`batchprefill-plan`: what a job would cost and what prefix reuse would save, without running the model.
+
+It prepares the job exactly as `batchprefill-run` does (read, tokenize, partition), then orders and groups
+every partition of the whole job (all shards) and adds up a cost model from `config.json` alone.
+
+`ideal_computed_tokens` is the number of prompt tokens a run must compute when each prompt reuses the
+full-block prefix it shares with the prompt just before it in run order, always leaving one token to
+compute (`order.reusable_tokens`). In prefix order that predecessor is the best partner of any earlier
+prompt, so the figure is what an unbounded prefix cache would reach; with `data.order=input` it is what a
+cache holding only the current path would reach, the baseline that prefix ordering improves on.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchprefill.io.results import save_png, write_records
+from batchprefill.pipeline.order import groups, reusable_tokens, run_order, shared_with_previous
+from batchprefill.pipeline.partitions import ERROR, NAMESPACE, ROW, TOKENS, partition_path
+from batchprefill.pipeline.prepare import prepare_job
+from batchprefill.settings import JobSettings
+from batchprefill.units import readable_bytes
+
+if TYPE_CHECKING:  # pulls in torch, which the entry point loads only after Hydra parsed the command line
+    from batchprefill.model.config import ModelConfig
+
+BITS_PER_BYTE = 8
+
+# FLOP counts overflow int64 for large jobs on large models (2 x 1e10 tokens x 7e10 parameters): float64.
+PLAN_SCHEMA = pa.schema([
+    ("requests", pa.int64()), ("error_rows", pa.int64()), ("prompt_tokens", pa.int64()),
+    ("groups", pa.int64()), ("largest_group", pa.int64()), ("ideal_computed_tokens", pa.int64()),
+    ("computed_tokens_without_reuse", pa.int64()), ("prefill_flops_with_reuse", pa.float64()),
+    ("prefill_flops_without_reuse", pa.float64()), ("kv_bytes_per_token", pa.int64()),
+    ("kv_bytes_total", pa.int64()), ("kv_transfer_seconds_mean", pa.float64()),
+])
+
+
+def attention_pairs(cached: int, fresh: int) -> int:
+    """Query-key pairs scored when `fresh` tokens attend to `cached` reused ones and causally to each other."""
+    return fresh * cached + fresh * (fresh + 1) // 2
+
+
+def prefill_flops(tokens: int, params: int, layers: int, q_heads: int, head_dim: int, pairs: int) -> int:
+    """Linear layers (2 x tokens x parameters) plus attention (QK^T and PV: 4 x layers x heads x pairs x dim)."""
+    return 2 * tokens * params + 4 * layers * q_heads * pairs * head_dim
+
+
+def transfer_seconds(num_bytes: float, link_gbps: float) -> float:
+    """Ideal time to move bytes over a link of `link_gbps` gigabits per second: a lower bound, not a latency."""
+    return num_bytes / (link_gbps * 1e9 / BITS_PER_BYTE)
+
+
+def sharing_depths(token_ids: pa.ChunkedArray, namespaces: pa.ChunkedArray, block_size: int) -> np.ndarray:
+    """Per prompt in prefix order: the most full blocks it shares with any other prompt of its namespace.
+
+    In the depth-first order of the trie a prompt's best partner is always one of its two neighbours.
+    """
+    links = np.concatenate([shared_with_previous(token_ids, namespaces, block_size), [0]])
+    return np.maximum(links[:-1], links[1:])
+
+
+@dataclass
+class Tally:
+    """Sums over the partitions read so far: the plan needs no row kept in memory."""
+
+    requests: int = 0
+    error_rows: int = 0
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    pairs_with_reuse: int = 0
+    pairs_without_reuse: int = 0
+    group_sizes: Counter = field(default_factory=Counter)  # group size -> number of groups
+    # full blocks shared with another prompt -> requests; seen within a partition, which in prefix order
+    # never splits prompts that share a block
+    depths: Counter = field(default_factory=Counter)
+
+    def add_partition(self, table: pa.Table, order: str, block_size: int) -> None:
+        """Count one partition in the order a run would take it; error rows never reach the engine."""
+        run = run_order(table[TOKENS], table[NAMESPACE], table[ROW], table[ERROR], order)
+        trie = run if order == "prefix" else run_order(table[TOKENS], table[NAMESPACE], table[ROW], table[ERROR],
+                                                          "prefix")
+        run_ids, run_spaces = table[TOKENS].take(run), table[NAMESPACE].take(run)
+        lengths = np.diff(run_ids.combine_chunks().offsets.to_numpy()) if len(run) else np.zeros(0, np.int64)
+        reused = np.asarray(reusable_tokens(run_ids, run_spaces, block_size), dtype=np.int64)
+        fresh = lengths - reused
+        self.computed_tokens += int(fresh.sum())
+        self.pairs_with_reuse += int(sum(map(attention_pairs, reused.tolist(), fresh.tolist())))
+        self.pairs_without_reuse += int(sum(attention_pairs(0, n) for n in lengths.tolist()))
+        self.error_rows += table.num_rows - len(run)
+        self.requests += len(run)
+        self.prompt_tokens += int(lengths.sum())
+        self.group_sizes.update(g.stop - g.start for g in groups(run_ids, run_spaces, block_size))
+        self.depths.update(sharing_depths(table[TOKENS].take(trie), table[NAMESPACE].take(trie),
+                                          block_size).tolist())
+
+
+def kv_element_bytes(job: JobSettings) -> int:
+    """Bytes per KV element as a run on these settings would store them (auto = the model's dtype).
+
+    `engine.device=cuda` is taken at its word: planning a GPU job on a login node must not need a GPU.
+    """
+    import torch
+
+    from batchprefill.model.loader import resolve_device, resolve_dtype
+
+    device = torch.device("cuda") if job.engine.device == "cuda" else resolve_device(job.engine.device)
+    name = job.engine.kv_cache_dtype if job.engine.kv_cache_dtype != "auto" else job.model.dtype
+    return torch.finfo(resolve_dtype(name, device)).bits // BITS_PER_BYTE
+
+
+def plan_row(tally: Tally, model: ModelConfig, element_bytes: int, link_gbps: float) -> dict:
+    """The one row of plan.parquet from the tally and the model's shape."""
+    params, layers = model.num_parameters(), model.num_layers
+    per_token = model.kv_bytes_per_token(element_bytes)
+    kv_total = tally.prompt_tokens * per_token
+    return {
+        "requests": tally.requests, "error_rows": tally.error_rows, "prompt_tokens": tally.prompt_tokens,
+        "groups": sum(tally.group_sizes.values()), "largest_group": max(tally.group_sizes, default=0),
+        "ideal_computed_tokens": tally.computed_tokens, "computed_tokens_without_reuse": tally.prompt_tokens,
+        "prefill_flops_with_reuse": float(prefill_flops(tally.computed_tokens, params, layers, model.num_heads,
+                                                        model.head_dim, tally.pairs_with_reuse)),
+        "prefill_flops_without_reuse": float(prefill_flops(tally.prompt_tokens, params, layers, model.num_heads,
+                                                           model.head_dim, tally.pairs_without_reuse)),
+        "kv_bytes_per_token": per_token, "kv_bytes_total": kv_total,
+        "kv_transfer_seconds_mean": transfer_seconds(kv_total / tally.requests, link_gbps) if tally.requests else 0.0,
+    }
+
+
+def plan_job(job: JobSettings) -> dict:
+    """Prepare the job as a run would, tally every partition of every shard, write plan.parquet and plan.png."""
+    prepared = prepare_job(job)
+    block_size = job.engine.block_size
+    tally = Tally()
+    for part, num_rows in enumerate(prepared.manifest.partition_rows):
+        if num_rows:  # an empty partition's file holds nothing to count
+            path = partition_path(prepared.partitions_dir, part)
+            tally.add_partition(pq.read_table(path, columns=[TOKENS, ERROR, NAMESPACE, ROW]), job.data.order,
+                                block_size)
+    row = plan_row(tally, prepared.model_config, kv_element_bytes(job), job.plan_link_gbps)
+    out = job.output.dir
+    write_records([row], out / "plan.parquet", PLAN_SCHEMA)
+    draw_plan(tally, block_size, out / "plan.png")
+    print_report(row, job.plan_link_gbps, out)
+    return row
+
+
+def draw_plan(tally: Tally, block_size: int, path: Path) -> None:
+    """Left: how much of the dataset each depth of the prefix tree shares. Right: the spread of group sizes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    deepest = max(tally.depths, default=0)
+    depths = list(range(1, deepest + 1))
+    at_least = [sum(n for d, n in tally.depths.items() if d >= depth) / max(tally.requests, 1) for depth in depths]
+    left.bar(depths, at_least, width=0.85, color="tab:blue")
+    left.set(xlabel=f"prefix depth (full blocks of {block_size} tokens)",
+             ylabel="fraction of requests sharing at least this deep", ylim=(0, 1.02),
+             title="How deep prompts share a prefix with another prompt")
+    left.xaxis.set_major_locator(MaxNLocator(integer=True))
+    left.grid(alpha=0.3, axis="y")
+    if not depths:
+        left.text(0.5, 0.5, "no request shares a full block", ha="center", va="center", transform=left.transAxes)
+
+    sizes = sorted(tally.group_sizes.elements())
+    largest = max(sizes, default=1)
+    right.hist(sizes, bins=_size_bins(largest), color="tab:orange", edgecolor="black", linewidth=0.5)
+    right.set(xlabel="requests in the group", ylabel="groups",
+              title=f"Group sizes: {len(sizes)} groups, largest {largest}")
+    if largest > 64:
+        right.set_xscale("log")
+    else:
+        right.xaxis.set_major_locator(MaxNLocator(integer=True))
+    right.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if tally.group_sizes and max(tally.group_sizes.values()) > 50 * min(tally.group_sizes.values()):
+        right.set_yscale("log")
+    right.grid(alpha=0.3, axis="y")
+    figure.suptitle(f"batchprefill plan: {tally.requests} requests, {tally.prompt_tokens} prompt tokens")
+    save_png(figure, path)
+    plt.close(figure)
+
+
+def _size_bins(largest: int) -> list[float]:
+    """One bar per size while sizes are few, else bins that double in width (read on a log axis)."""
+    if largest <= 64:
+        return [size - 0.5 for size in range(1, largest + 2)]
+    edges, edge = [], 1.0
+    while edge <= largest:
+        edges.append(edge)
+        edge *= 2
+    return [*edges, edge]
+
+
+def print_report(row: dict, link_gbps: float, out: Path) -> None:
+    """A handful of lines a person reads before deciding to launch the run."""
+    computed, without = row["ideal_computed_tokens"], row["computed_tokens_without_reuse"]
+    with_flops, without_flops = row["prefill_flops_with_reuse"], row["prefill_flops_without_reuse"]
+    ratio = f"{without / computed:.2f}x fewer" if computed else "nothing to compute"
+    saved = 1 - with_flops / without_flops if without_flops else 0.0
+    print(
+        f"batchprefill plan: {row['requests']} requests ({row['error_rows']} error rows) in {row['groups']} "
+        f"prefix groups, the largest of {row['largest_group']} requests\n"
+        f"  prompt tokens to compute: {computed:,} with prefix reuse vs {without:,} without ({ratio})\n"
+        f"  prefill FLOPs: {with_flops:.3g} with reuse vs {without_flops:.3g} without ({saved:.1%} saved)\n"
+        f"  KV cache: {row['kv_bytes_per_token']:,} bytes per token, {readable_bytes(row['kv_bytes_total'])} "
+        f"for all prompts\n"
+        f"  mean KV transfer per request at {link_gbps:g} Gb/s: {row['kv_transfer_seconds_mean'] * 1e3:.3f} ms\n"
+        f"  wrote {out / 'plan.parquet'} and {out / 'plan.png'}"
+    )
+
