@@ -18,7 +18,7 @@ from batchprefill.engine.constraint import GrammarError, job_constraint
 from batchprefill.engine.request import SamplingParams
 from batchprefill.errors import JobError
 from batchprefill.io import openai_batch
-from batchprefill.io.dataset import Columns
+from batchprefill.io.columns import Columns
 
 
 @dataclass(frozen=True)

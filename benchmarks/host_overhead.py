@@ -107,7 +107,7 @@ def measure() -> dict:
         import pyarrow as pa
 
         from batchprefill.pipeline.order import shared_with_previous
-        from batchprefill.pipeline.run import link_prefix_donors
+        from batchprefill.pipeline.requests import link_prefix_donors
 
         link_prefix_donors(requests, shared_with_previous(pa.chunked_array([prompts]),
                                                           pa.chunked_array([[""] * len(prompts)]), 16))

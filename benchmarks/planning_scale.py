@@ -7,7 +7,7 @@ For each row count it runs fresh subprocesses on the same Parquet file, each tim
 seconds, CPU seconds and peak RSS of that child alone, from os.wait4):
 - `tokenize`, the floor: the prompt column read with pyarrow in 4,096-row batches and put through the
   `tokenizers` library's `encode_batch`, keeping nothing. No preparation can be faster.
-- `plan`: `python -m batchprefill.pipeline.plan` on the file: read, tokenize, error rows, spill into partitions, then
+- `plan`: `python -m batchprefill.plan` on the file: read, tokenize, error rows, spill into partitions, then
   every partition of every shard ordered and tallied, the report and the figure.
 - `load`: loading the model as `batchprefill-run` does (torch imported, weights read and prepacked).
 - `first step`: `python -m batchprefill.run` on the file, stopped as its engine enters its first step, so it
@@ -107,8 +107,8 @@ def load_only(folder: Path) -> dict:
 
 def until_first_step(overrides: list[str]) -> None:
     """`batchprefill-run` as a user starts it, ended the moment its engine enters its first step."""
-    from batchprefill.engine.engine import Engine
     from batchprefill.cli.run import main as run
+    from batchprefill.engine.engine import Engine
 
     def stop(engine: Engine) -> None:
         print(json.dumps({}), flush=True)
@@ -185,7 +185,7 @@ def main() -> None:
                                                    "--model", str(model)])
         out = args.dir / f"out-{rows}"
         shutil.rmtree(out, ignore_errors=True)
-        plan_wall, plan_cpu, plan_mb, _ = measure(["-m", "batchprefill.pipeline.plan", *job, f"output.dir={out}"])
+        plan_wall, plan_cpu, plan_mb, _ = measure(["-m", "batchprefill.plan", *job, f"output.dir={out}"])
         parts = _partitions(out, args.shards)
         if parts["tokens"] != floor["tokens"]:
             raise SystemExit(f"the plan counted {parts['tokens']} tokens, the floor {floor['tokens']}")

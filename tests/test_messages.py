@@ -4,8 +4,9 @@ prepare; a bad conversation is an error row of its own; a shared system message 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchprefill.io.dataset import Columns
-from batchprefill.pipeline.partitions import ERROR, ROW, TOKENS, PrepareSettings, partition_path, prepare
+from batchprefill.io.columns import ERROR, ROW, TOKENS, Columns
+from batchprefill.pipeline.manifest import PrepareSettings, partition_path
+from batchprefill.pipeline.partitions import prepare
 from tests.conftest import run_cli
 
 SYSTEM = "You label customer reviews as positive, negative or neutral. Answer with the label alone."

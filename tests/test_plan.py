@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS
 from batchprefill.model.config import kv_bytes_per_token
 from batchprefill.model.families import read_config
-from batchprefill.pipeline.partitions import ERROR, NAMESPACE, ROW, TOKENS
 from batchprefill.pipeline.plan import (
     PLAN_SCHEMA,
     Tally,

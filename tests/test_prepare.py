@@ -19,22 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from batchprefill.io.dataset import Columns
+from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS, Columns
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline import partitions as prepare_module
+from batchprefill.pipeline import tokenize as tokenize_module
+from batchprefill.pipeline.manifest import PrepareSettings, partition_path, partition_records
 from batchprefill.pipeline.order import Group, assign_shards, groups, prefix_order, reusable_tokens
-from batchprefill.pipeline.partitions import (
-    ERROR,
-    NAMESPACE,
-    PARTITION_TARGET_BYTES,
-    ROW,
-    RUN_EXPANSION,
-    TOKENS,
-    PrepareSettings,
-    partition_path,
-    partition_records,
-    prepare,
-)
+from batchprefill.pipeline.partitions import PARTITION_TARGET_BYTES, RUN_EXPANSION, prepare
 
 VOCAB = 8
 BLOCK = 2
@@ -284,7 +275,8 @@ def _prepared_from_one_read(words, source: Path, folder: Path, monkeypatch) -> p
         reads.extend([1] if len(args) < 3 or args[2] is None else [])
         return original(*args)
 
-    monkeypatch.setattr(prepare_module, "record_batches", counted)
+    monkeypatch.setattr(prepare_module, "record_batches", counted)  # the id check's pass
+    monkeypatch.setattr(tokenize_module, "record_batches", counted)  # the rows tokenized
     settings = dataclasses.replace(_settings(min_partitions=1), read_batch_rows=500)
     manifest = prepare([source], "parquet", settings, words, folder, progress=False)
     assert len(reads) == 1

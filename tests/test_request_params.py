@@ -9,9 +9,8 @@ import pyarrow as pa
 
 from batchprefill.engine.constraint import Constraint
 from batchprefill.engine.request import Request, SamplingParams
-from batchprefill.io.dataset import Columns
+from batchprefill.io.columns import ERROR, TOKENS, Columns
 from batchprefill.io.openai_batch import SAMPLING_COLUMNS
-from batchprefill.pipeline.partitions import ERROR, TOKENS
 from batchprefill.pipeline.request_params import max_output_tokens, may_be_constrained, partition_sampling
 
 COLUMNS = Columns(prompt="prompt", id="id", system=None, namespace=None, schema="schema",

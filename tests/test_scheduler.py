@@ -184,7 +184,7 @@ def test_keys_copied_from_a_neighbour_sharing_3_of_5_blocks_equal_keys_hashed_al
     import pyarrow as pa
 
     from batchprefill.pipeline.order import shared_with_previous
-    from batchprefill.pipeline.run import link_prefix_donors
+    from batchprefill.pipeline.requests import link_prefix_donors
 
     neighbour_tokens = list(range(1, 81))
     follower_tokens = list(neighbour_tokens)

@@ -30,7 +30,7 @@ from batchprefill.engine.scoring import score_request
 from batchprefill.errors import JobError
 from batchprefill.model.loader import model_identity, read_model_config, resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
-from batchprefill.pipeline.run import engine_on, load_job_model
+from batchprefill.pipeline.build_engine import engine_on, load_job_model
 from batchprefill.settings import JobSettings
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HF backend's default

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import glob
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,19 +19,6 @@ PARQUET_MAGIC = b"PAR1"  # a Parquet file starts and ends with it; the footer si
 UNREADABLE = (OSError, pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError)
 ARROW_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow IPC stream's end-of-stream marker
 SHOWN_BYTES = 16  # of a file that is not Parquet, in the error: enough to recognise JSON, CSV, gzip, Arrow
-
-
-@dataclass(frozen=True)
-class Columns:
-    prompt: str | None  # None when every row's text comes from `messages`
-    id: str
-    system: str | None
-    namespace: str | None
-    messages: str | None = None  # chat conversations (list of struct role, content); used before `prompt`
-    read_error: str | None = None  # errors the reader found in a row (OpenAI batch lines): such rows never run
-    schema: str | None = None  # a per-row JSON Schema (string) the row's output must follow
-    sampling: tuple[str, ...] = ()  # per-request sampling columns (OpenAI batch bodies'; see request_params)
-    choices: str | None = None  # task=score: each row's continuations (a list of strings, or one string)
 
 
 def resolve_input(path: str | None, fmt: str) -> tuple[list[Path], str]:
@@ -148,18 +134,6 @@ def open_dataset(files: list[Path], fmt: str) -> pads.Dataset | OpenAIBatchFile:
         return pads.dataset([pa.ipc.open_stream(pa.memory_map(str(f))).read_all() for f in files])
     options = pads.ParquetFragmentScanOptions(pre_buffer=False)
     return pads.dataset([str(f) for f in files], format=pads.ParquetFileFormat(default_fragment_scan_options=options))
-
-
-def check_columns(schema: pa.Schema, columns: Columns) -> None:
-    names = set(schema.names)
-    for key, name in (("prompt_column", columns.prompt), ("system_column", columns.system),
-                      ("namespace_column", columns.namespace), ("messages_column", columns.messages),
-                      ("schema_column", columns.schema), ("choices_column", columns.choices)):
-        if name is not None and name not in names:
-            raise JobError(f"data.{key}={name!r} is not a column of the input (columns: {', '.join(schema.names)})")
-    if columns.schema is not None and not pa.types.is_string(schema.field(columns.schema).type):
-        raise JobError(f"data.schema_column={columns.schema!r} is {schema.field(columns.schema).type}, not a string "
-                       "column: give each row's JSON Schema as JSON text")
 
 
 def record_batches(dataset: pads.Dataset, rows: int, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:

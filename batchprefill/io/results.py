@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from batchprefill.io.atomic import write_atomic
+from batchprefill.io.columns import INTERNAL
 from batchprefill.io.dataset import read_parquet
-from batchprefill.pipeline.partitions import INTERNAL
 
 if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn
-    from matplotlib.figure import Figure
+    pass
 
 OUTPUT_FIELDS = [
     pa.field("output_text", pa.string()),
@@ -49,30 +47,6 @@ def result_fields(task: str, samples: bool, logprobs: bool) -> list[pa.Field]:
     if task == "score":
         return SCORE_FIELDS
     return [SAMPLE_INDEX] * samples + OUTPUT_FIELDS + LOGPROB_FIELDS * logprobs
-
-
-def replace_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """`write` fills a staging file beside `path`, which then replaces it: a reader sees the whole file or none
-    of it, even if this process is killed mid-write. A write that raises leaves `path` as it was and no staging
-    file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(staging)
-        with open(staging, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(staging, path)
-    finally:
-        staging.unlink(missing_ok=True)
-
-
-def write_atomic(table: pa.Table, path: Path) -> None:
-    replace_atomic(path, lambda staging: pq.write_table(table, staging))
-
-
-def save_png(figure: Figure, path: Path) -> None:
-    """plan.png and stats/run.png, written as atomically as the Parquet files."""
-    replace_atomic(path, lambda staging: figure.savefig(staging, format="png", dpi=110))
 
 
 def done_ids(results_dir: Path, id_column: str, samples: bool = False) -> set:
@@ -145,5 +119,3 @@ class ResultWriter:
         self.pending = []
 
 
-def write_records(records: list[dict], path: Path, schema: pa.Schema | None = None) -> None:
-    write_atomic(pa.Table.from_pylist(records, schema=schema), path)

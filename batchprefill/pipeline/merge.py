@@ -33,13 +33,14 @@ from pathlib import Path
 import pyarrow as pa
 
 from batchprefill.errors import JobError
+from batchprefill.io.atomic import write_atomic, write_records
 from batchprefill.io.dataset import read_parquet
 from batchprefill.io.openai_results import write_results_jsonl
-from batchprefill.io.results import SAMPLE_INDEX, write_atomic, write_records
+from batchprefill.io.results import SAMPLE_INDEX
 from batchprefill.model.loader import resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
+from batchprefill.pipeline.manifest import partition_path
 from batchprefill.pipeline.order import assign_shards
-from batchprefill.pipeline.partitions import partition_path
 from batchprefill.report.run_figure import write_run_figure
 from batchprefill.settings import JobSettings
 

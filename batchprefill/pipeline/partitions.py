@@ -15,18 +15,13 @@ largest, read back and ordered, fits `data.buffer_mb`.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import itertools
 import json
 import math
 import shutil
 import sys
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -37,15 +32,15 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from batchprefill.errors import JobError
-from batchprefill.io.dataset import Columns, check_columns, open_dataset, record_batches
+from batchprefill.io.columns import NAMESPACE, ROW, TOKENS, check_columns
+from batchprefill.io.dataset import open_dataset, record_batches
 from batchprefill.io.openai_batch import OpenAIBatchFile
 from batchprefill.io.unique_ids import check_unique_ids
 from batchprefill.model.tokenizer import PromptTokenizer
+from batchprefill.pipeline.manifest import Manifest, PrepareSettings, locked, partition_path, recipe_fingerprint
+from batchprefill.pipeline.tokenize import TOKENIZE_THREADS, tokenized_tables
 from batchprefill.units import readable_bytes
 
-ROW, TOKENS, ERROR, NAMESPACE = "_bp_row", "_bp_tokens", "_bp_error", "_bp_namespace"
-CHOICES = "_bp_choices"  # task=score: each choice's token ids after the context
-INTERNAL = (ROW, TOKENS, ERROR, NAMESPACE, CHOICES)
 # Peak memory while one partition is read back and ordered, per byte of its Arrow table: Parquet decoding,
 # the table, the sort key (a copy of the token ids), the table taken in run order, the comparison scratch
 # (measured 4.0 to 4.7 on benchmarks/planning_scale.py's partitions).
@@ -54,56 +49,9 @@ RUN_EXPANSION = 5
 # (a prefix group never spans two) and let shards balance; hash skew can make one several times larger.
 PARTITION_TARGET_BYTES = 64 << 20
 SPILL_BUFFER_SHARE = 8  # rows waiting for their partition file hold at most data.buffer_mb / 8 in all
-PARTITIONS_PER_SHARD = 4  # the least a sharded job asks for, so whole partitions can balance its shards
 # The ids are checked in a pass of their own that reads only their column (a fraction of the input's bytes),
 # so a repeated or null id fails the job before any prompt is tokenized.
 ID_READ_ROWS = 1 << 16  # 1 << 20 let pyarrow's scanner read ahead to 800 MB on 50M string ids; this, 130 MB
-ENCODE_ROWS = 1024  # rows per tokenizer call: enough to keep every core busy, few enough to bound its output
-# Threads that tokenize record batches. The tokenizer spreads each call over every core by itself; a second
-# thread keeps those cores fed while the first holds the GIL to turn its output into arrays.
-TOKENIZE_THREADS = 2
-
-PARTITION_SCHEMA = pa.schema([("partition", pa.int64()), ("rows", pa.int64()), ("prompt_tokens", pa.int64()),
-                              ("bytes", pa.int64()), ("shard", pa.int64())])
-
-
-@dataclass(frozen=True)
-class PrepareSettings:
-    columns: Columns
-    chat_template: bool
-    order: str
-    block_size: int
-    max_prompt_tokens: int
-    tokenizer_id: str
-    read_batch_rows: int
-    buffer_mb: int
-    min_partitions: int = 1  # e.g. a few per shard, so that shards balance; not part of the fingerprint
-
-
-@dataclass
-class Manifest:
-    fingerprint: str
-    num_rows: int
-    partition_rows: list[int]
-    partition_tokens: list[int]
-    partition_bytes: list[int] = field(default_factory=list)  # Arrow bytes of each partition once read back
-
-    @property
-    def num_partitions(self) -> int:
-        return len(self.partition_rows)
-
-
-def partition_path(folder: Path, index: int) -> Path:
-    return folder / f"part-{index:05d}.parquet"
-
-
-def partition_records(manifest: Manifest, shards: list[list[int]]) -> list[dict]:
-    """One row per partition for `stats/partitions.parquet` (PARTITION_SCHEMA): its size and its shard."""
-    shard_of = {part: shard for shard, parts in enumerate(shards) for part in parts}
-    sizes = manifest.partition_bytes or [None] * manifest.num_partitions
-    return [{"partition": part, "rows": rows, "prompt_tokens": tokens, "bytes": size, "shard": shard_of[part]}
-            for part, (rows, tokens, size) in enumerate(zip(manifest.partition_rows, manifest.partition_tokens,
-                                                           sizes))]
 
 
 def prepare(files: list[Path], fmt: str, settings: PrepareSettings, tokenizer: PromptTokenizer,
@@ -112,9 +60,9 @@ def prepare(files: list[Path], fmt: str, settings: PrepareSettings, tokenizer: P
 
     Any number of tokenizing `workers` makes the same partitions, row for row.
     """
-    fingerprint = _fingerprint(files, settings)
+    fingerprint = recipe_fingerprint(files, settings)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(folder.parent / ".prepare.lock"):
+    with locked(folder.parent / ".prepare.lock"):
         manifest_file = folder / "manifest.json"
         if manifest_file.exists():
             manifest = Manifest(**json.loads(manifest_file.read_text()))
@@ -130,27 +78,6 @@ def prepare(files: list[Path], fmt: str, settings: PrepareSettings, tokenizer: P
         return manifest
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One process prepares; shards started at the same time wait for it and reuse its partitions."""
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _fingerprint(files: list[Path], settings: PrepareSettings) -> str:
-    """What the partitions' content depends on; how many there are is left out, as any count serves any job."""
-    recipe = {key: value for key, value in asdict(settings).items() if key != "min_partitions"}
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode())
-    for file in files:
-        stat = file.stat()
-        digest.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()
-
-
 def _spill(files, fmt, settings: PrepareSettings, tokenizer, staging: Path, fingerprint: str,
            progress: bool, workers: int) -> Manifest:
     """One pass over the input in three overlapping stages: pyarrow's scanner decodes the next record batches,
@@ -164,7 +91,7 @@ def _spill(files, fmt, settings: PrepareSettings, tokenizer, staging: Path, fing
         ids = record_batches(dataset, ID_READ_ROWS, [settings.columns.id])
         check_unique_ids((batch.column(0) for batch in ids), settings.columns.id, staging / "ids", num_rows)
     bar = tqdm(total=num_rows, desc="tokenize", unit="row", disable=not progress)
-    with _tokenized_tables(dataset, settings, tokenizer, workers) as tables:
+    with tokenized_tables(dataset, settings, tokenizer, workers) as tables:
         first = next(tables)
         num_partitions = _num_partitions(_expected_bytes(dataset, first, num_rows), settings)
         files_out = _PartitionFiles(staging, num_partitions, (settings.buffer_mb << 20) // SPILL_BUFFER_SHARE)
@@ -178,36 +105,6 @@ def _spill(files, fmt, settings: PrepareSettings, tokenizer, staging: Path, fing
             files_out.close()
     _warn_oversized(files_out.bytes, settings.buffer_mb)
     return Manifest(fingerprint, sum(files_out.rows), files_out.rows, files_out.tokens, files_out.bytes)
-
-
-@contextmanager
-def _tokenized_tables(dataset: pads.Dataset, settings: PrepareSettings, tokenizer,
-                      workers: int) -> Iterator[Iterator[pa.Table]]:
-    """The input's record batches tokenized by `workers` threads, yielded in input order.
-
-    The tokenizer runs on every core in its own thread pool and releases the GIL, so while one batch is in it
-    another thread turns its ids into arrays and the caller spills the batch before. At most 2 x `workers`
-    batches are in flight, so memory does not follow the input. A worker's exception is raised where its batch
-    is yielded; on the way out, batches not yet started are cancelled and the running ones are waited for.
-    """
-    with ThreadPoolExecutor(workers, thread_name_prefix="tokenize") as pool:
-        pending: deque[Future[pa.Table]] = deque()
-
-        def tables() -> Iterator[pa.Table]:
-            offset = 0
-            for batch in record_batches(dataset, settings.read_batch_rows):
-                pending.append(pool.submit(_tokenized, batch, offset, settings, tokenizer))
-                offset += batch.num_rows
-                if len(pending) >= 2 * workers:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-
-        try:
-            yield tables()
-        finally:
-            for future in pending:
-                future.cancel()
 
 
 def _expected_bytes(dataset: pads.Dataset | OpenAIBatchFile, first: pa.Table, num_rows: int) -> float:
@@ -259,172 +156,6 @@ def _warn_oversized(partition_bytes: list[int], buffer_mb: int) -> None:
         print(f"batchprefill: warning: partition {partition_bytes.index(largest)} holds {readable_bytes(largest)} "
               f"of prompts that share their first block; ordering it needs about "
               f"{readable_bytes(largest * RUN_EXPANSION)}, more than data.buffer_mb={buffer_mb}", file=sys.stderr)
-
-
-def _tokenized(batch: pa.RecordBatch, offset: int, settings: PrepareSettings, tokenizer) -> pa.Table:
-    """The batch with its row numbers, token ids, namespace and, for rows that cannot run, an error."""
-    columns = settings.columns
-    table = pa.Table.from_batches([batch])
-    row_numbers = np.arange(offset, offset + batch.num_rows, dtype=np.int64)
-    if columns.id not in table.column_names:
-        table = table.append_column(columns.id, pa.array(row_numbers))
-    texts, errors = _texts(table, settings, tokenizer)
-    spaces = None
-    if columns.choices:  # lm-eval's split: the context's trailing whitespace begins every choice
-        spaces = [text[len(text.rstrip()):] for text in texts]
-        texts = [text.rstrip() for text in texts]
-    tokens = _token_column(texts, errors, settings.max_prompt_tokens, tokenizer)
-    if columns.choices:
-        choices = choice_tokens(table[columns.choices].to_pylist(), texts, spaces, tokens.to_pylist(), errors,
-                                settings.max_prompt_tokens, tokenizer)
-        table = table.append_column(CHOICES, pa.array(choices, pa.list_(pa.list_(pa.int32()))))
-    if columns.namespace:
-        namespaces = pc.fill_null(pc.cast(table[columns.namespace], pa.string()), "")
-    else:
-        namespaces = pa.array(np.full(batch.num_rows, ""), pa.string())
-    return (table.append_column(ROW, pa.array(row_numbers))
-            .append_column(TOKENS, tokens)
-            .append_column(ERROR, pa.array(errors, type=pa.string()))
-            .append_column(NAMESPACE, namespaces))
-
-
-def _texts(table: pa.Table, settings: PrepareSettings, tokenizer) -> tuple[list[str], list[str | None]]:
-    """The text to tokenize per row (empty for rows already in error) and each row's error so far.
-
-    A row's conversation, when the input has a messages column and the row has one, is rendered with the chat
-    template; otherwise its prompt (OpenAI batch files mix chat lines, with messages, and completion lines).
-    """
-    columns = settings.columns
-    num_rows = table.num_rows
-    prompts = table[columns.prompt].to_pylist() if columns.prompt else [None] * num_rows
-    conversations = table[columns.messages].to_pylist() if columns.messages else [None] * num_rows
-    read_errors = table[columns.read_error].to_pylist() if columns.read_error else [None] * num_rows
-    systems = table[columns.system].to_pylist() if columns.system else [None] * num_rows
-    texts, errors = [], []
-    for prompt, conversation, read_error, system in zip(prompts, conversations, read_errors, systems):
-        text, error = "", read_error
-        if error is None and (conversation is not None or not columns.prompt):
-            error = _conversation_error(conversation)
-            if error is None:
-                text, error = _rendered(tokenizer.render_conversation, conversation)
-        elif error is None:
-            error = _prompt_error(prompt)
-            if error is None and settings.chat_template:
-                text, error = _rendered(tokenizer.apply_chat_template, prompt,
-                                        system if isinstance(system, str) else None)
-            elif error is None:
-                text = prompt
-        texts.append(text)
-        errors.append(error)
-    return texts, errors
-
-
-def _rendered(render, *args) -> tuple[str, str | None]:
-    try:
-        return render(*args), None
-    except Exception as error:  # noqa: BLE001 - a template failure belongs to this row alone
-        return "", f"chat template failed: {error}"
-
-
-def _conversation_error(conversation) -> str | None:
-    """Why a conversation cannot be rendered, or None: a non-empty list of messages with a role and a text."""
-    if conversation is None:
-        return "messages is null"
-    if not isinstance(conversation, list) or not conversation:
-        return "messages is empty" if isinstance(conversation, list) else "messages is not a list"
-    for index, message in enumerate(conversation):
-        if not isinstance(message, dict):
-            return f"messages[{index}] is not an object with role and content"
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not role:
-            return f"messages[{index}] has no role"
-        if not isinstance(content, str):
-            return f"messages[{index}] ({role}) has no text content"
-    if all(not message["content"].strip() for message in conversation):
-        return "messages hold no text"
-    return None
-
-
-def _prompt_error(prompt) -> str | None:
-    if prompt is None:
-        return "prompt is null"
-    if not isinstance(prompt, str):
-        return f"prompt is a {type(prompt).__name__}, not a string"
-    if not prompt or prompt.isspace():
-        return "prompt is empty or whitespace only"
-    return None
-
-
-def _token_column(texts: list[str], errors: list[str | None], limit: int, tokenizer) -> pa.ListArray:
-    """Token ids as one Arrow list column; rows that tokenize to nothing or to more than `limit` tokens become
-    errors, and error rows get no tokens.
-
-    The tokenizer's output (an object per row, Python ints per token: about 100 bytes a token) lives for
-    ENCODE_ROWS rows at a time, flattened into numpy at once, so it does not multiply a large read batch.
-    """
-    lengths, values = [], []
-    for start in range(0, len(texts), ENCODE_ROWS):
-        token_ids = tokenizer.encode_batch(texts[start : start + ENCODE_ROWS])
-        counts = np.fromiter(map(len, token_ids), np.int64, len(token_ids))
-        for i in np.flatnonzero((counts == 0) | (counts > limit)):
-            if errors[start + i] is None:
-                errors[start + i] = "prompt tokenizes to no tokens" if counts[i] == 0 else (
-                    f"prompt has {counts[i]} tokens; at most {limit} fit (model context minus sampling.max_tokens)")
-        keep = np.fromiter((error is None for error in errors[start : start + len(token_ids)]), bool)
-        counts[~keep] = 0
-        kept = itertools.compress(token_ids, keep)
-        values.append(np.fromiter(itertools.chain.from_iterable(kept), np.int32, int(counts.sum())))
-        lengths.append(counts)
-    offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(values)))
-
-
-def choice_tokens(choices: list, contexts: list[str], spaces: list[str], context_tokens: list[list[int]],
-                  errors: list[str | None], limit: int, tokenizer) -> list[list[list[int]] | None]:
-    """Each row's choices as lm-evaluation-harness tokenizes them: the tokens of context + whitespace + choice
-    after the context's own tokens. A row with no choices, a null or empty choice, a choice that adds no token,
-    or a context and choice longer than `limit` (the model's context) gets an error instead."""
-    texts, owners = [], []
-    for row, (row_choices, error) in enumerate(zip(choices, errors)):
-        if error is not None:
-            continue
-        row_choices = [row_choices] if isinstance(row_choices, str) else row_choices
-        problem = _choices_error(row_choices)
-        if problem is not None:
-            errors[row] = problem
-            continue
-        texts += [contexts[row] + spaces[row] + choice for choice in row_choices]
-        owners += [row] * len(row_choices)
-    result: list[list[list[int]] | None] = [None] * len(choices)
-    for start in range(0, len(texts), ENCODE_ROWS):
-        encoded = tokenizer.encode_batch(texts[start : start + ENCODE_ROWS])
-        for row, whole in zip(owners[start : start + ENCODE_ROWS], encoded):
-            if errors[row] is not None:
-                continue
-            context = context_tokens[row]
-            choice = whole[len(context):]
-            index = len(result[row] or [])
-            if not choice:
-                errors[row] = f"choices[{index}] adds no token to the prompt"
-            elif len(context) + len(choice) > limit:
-                errors[row] = (f"prompt plus choices[{index}] have {len(context) + len(choice)} tokens; at most "
-                               f"{limit} fit (the model's context)")
-            else:
-                result[row] = [*(result[row] or []), choice]
-    return [None if error is not None else row for row, error in zip(result, errors)]
-
-
-def _choices_error(choices) -> str | None:
-    if choices is None:
-        return "choices is null"
-    if not isinstance(choices, list) or not choices:
-        return "choices is empty" if isinstance(choices, list) else f"choices is a {type(choices).__name__}"
-    for index, choice in enumerate(choices):
-        if choice is None:
-            return f"choices[{index}] is null"
-        if not isinstance(choice, str) or not choice:
-            return f"choices[{index}] is empty" if choice == "" else f"choices[{index}] is not a string"
-    return None
 
 
 def _partition_of(table: pa.Table, num_partitions: int, num_rows: int, settings: PrepareSettings) -> np.ndarray:

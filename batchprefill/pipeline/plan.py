@@ -21,9 +21,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchprefill.io.results import save_png, write_records
+from batchprefill.io.atomic import save_png, write_records
+from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS
+from batchprefill.pipeline.manifest import partition_path
 from batchprefill.pipeline.order import groups, reusable_tokens, run_order, shared_with_previous
-from batchprefill.pipeline.partitions import ERROR, NAMESPACE, ROW, TOKENS, partition_path
 from batchprefill.pipeline.prepare import prepare_job
 from batchprefill.settings import JobSettings
 from batchprefill.units import readable_bytes

@@ -13,7 +13,8 @@ from batchprefill.io.dataset import resolve_input
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.loader import model_identity, read_model_config, resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
-from batchprefill.pipeline.partitions import PARTITIONS_PER_SHARD, Manifest, PrepareSettings, prepare
+from batchprefill.pipeline.manifest import PARTITIONS_PER_SHARD, Manifest, PrepareSettings
+from batchprefill.pipeline.partitions import prepare
 from batchprefill.settings import JobSettings
 
 

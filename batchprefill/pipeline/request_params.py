@@ -18,8 +18,7 @@ import pyarrow.compute as pc
 
 from batchprefill.engine.constraint import Constraint, GrammarError
 from batchprefill.engine.request import SamplingParams
-from batchprefill.io.dataset import Columns
-from batchprefill.pipeline.partitions import ERROR, TOKENS
+from batchprefill.io.columns import ERROR, TOKENS, Columns
 
 STOP_SEPARATOR = "\x1f"  # joins a row's stop strings into one text, so the list column dictionary-encodes
 PLAIN = ("max_tokens", "temperature", "top_p", "n", "seed")  # columns named as the SamplingParams fields

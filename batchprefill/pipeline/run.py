@@ -5,71 +5,34 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 from tqdm import tqdm
 
-from batchprefill.engine.config import EngineConfig
-from batchprefill.engine.constraint import GrammarError
 from batchprefill.engine.engine import Engine
-from batchprefill.engine.grammar import Grammars
-from batchprefill.engine.kv_cache import pool_blocks
-from batchprefill.engine.request import Request, SamplingParams, with_samples
-from batchprefill.engine.scoring import score_request
-from batchprefill.engine.structured import StructuredStep
+from batchprefill.engine.request import Request
 from batchprefill.errors import JobError
+from batchprefill.io.atomic import write_records
+from batchprefill.io.columns import ROW
 from batchprefill.io.dataset import read_parquet
 from batchprefill.io.openai_results import write_results_jsonl
-from batchprefill.io.results import Outcome, ResultWriter, done_ids, result_fields, write_records
-from batchprefill.malloc import keep_freed_memory
-from batchprefill.model.config import ModelConfig
-from batchprefill.model.loader import LoadedModel, load_model, make_ops, resolve_device, resolve_dtype
-from batchprefill.model.tokenizer import PromptTokenizer
-from batchprefill.pipeline.order import Group, assign_shards, groups, reusable_tokens, run_order, shared_with_previous
-from batchprefill.pipeline.partitions import (
-    CHOICES,
-    ERROR,
-    NAMESPACE,
-    PARTITION_SCHEMA,
-    ROW,
-    TOKENS,
-    partition_path,
-    partition_records,
-)
+from batchprefill.io.results import Outcome, ResultWriter, done_ids, result_fields
+from batchprefill.pipeline.build_engine import build_engine, structured_step
+from batchprefill.pipeline.manifest import PARTITION_SCHEMA, partition_path, partition_records
+from batchprefill.pipeline.order import assign_shards
 from batchprefill.pipeline.prepare import Prepared, prepare_job
-from batchprefill.pipeline.request_params import max_output_tokens, may_be_constrained, partition_sampling
+from batchprefill.pipeline.request_params import max_output_tokens, may_be_constrained
+from batchprefill.pipeline.requests import PARTITION_REMEDY, PartitionRun, load_partition
 from batchprefill.report.run_figure import write_run_figure
 from batchprefill.report.stats import JobTotals, job_row, print_summary, stats_dir, write_stats
-from batchprefill.settings import DataSettings, JobSettings
+from batchprefill.settings import JobSettings
 
 SIGTERM_EXIT_STATUS = 143
-PARTITION_REMEDY = "delete output.dir/partitions and rerun: the job prepares them again and resumes"
 
 
 class Interrupted(Exception):
     """SIGTERM arrived (Slurm preemption or time limit): commit what finished and stop."""
-
-
-@dataclass
-class PartitionRun:
-    """One partition in flight: its rows (kept until its last request is written) and its requests."""
-
-    part: int
-    table: pa.Table
-    errors: list[tuple[int, str]]  # (row of table, message) of rows that never reach the engine
-    requests: list[Request]  # in run order
-    groups: list[Group]
-    position: dict[int, int]  # request id -> row of table
-    unfinished: int  # result rows still to write: a row's samples count one each
-    ideal_cached_tokens: int  # what an ideal cache serves in this run order (the plan's arithmetic)
-    written: set  # with sampling.n > 1: (request id, sample_index) of samples an earlier run committed
 
 
 def run_job(job: JobSettings) -> dict:
@@ -155,72 +118,6 @@ def _tokens_needed(prepared: Prepared, partitions: list[int], job: JobSettings, 
     return sum(manifest.partition_tokens[p] for p in partitions) + output_tokens * job.sampling.n
 
 
-@dataclass
-class JobModel:
-    """The model loaded for a job, with what every engine built on it shares."""
-
-    loaded: LoadedModel
-    config: ModelConfig
-    device: torch.device
-    dtype: torch.dtype
-    kv_dtype: torch.dtype
-    graph_safe_decode: bool
-
-
-def structured_step(job: JobSettings, prepared: Prepared) -> StructuredStep:
-    """The grammar machinery, built only for a job whose rows can be constrained; the job-wide constraint is
-    compiled here, before the model loads, so a schema that cannot compile fails the job in seconds."""
-    config = prepared.model_config
-    grammars = Grammars(prepared.tokenizer, config.vocab_size, config.eos_token_ids)
-    constraint = job.sampling.constraint
-    if constraint is not None:
-        try:
-            grammars.compile(constraint)
-        except GrammarError as error:
-            raise JobError(f"sampling.{constraint.kind}: {error}; fix the constraint") from None
-    return StructuredStep(grammars, job.engine.max_num_seqs)
-
-
-def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int,
-                 structured: StructuredStep | None = None) -> Engine:
-    """Load the model on the chosen device and backend, size the KV pool, and build the engine around them."""
-    model = load_job_model(job, prepared.folder, prepared.model_config, prepared.identity)
-    return engine_on(job, model, prepared.tokenizer, tokens_needed, structured)
-
-
-def load_job_model(job: JobSettings, folder: Path, model_config: ModelConfig, identity: str) -> JobModel:
-    settings = job.engine
-    device = resolve_device(settings.device)
-    keep_freed_memory()
-    if device.type == "cpu" and settings.num_threads:
-        torch.set_num_threads(settings.num_threads)
-    dtype = resolve_dtype(job.model.dtype, device)
-    kv_dtype = dtype if settings.kv_cache_dtype == "auto" else resolve_dtype(settings.kv_cache_dtype, device)
-    ops = make_ops(settings.attention_backend, device)
-    loaded = load_model(folder, dtype, device, ops, model_config, identity)
-    return JobModel(loaded, model_config, device, dtype, kv_dtype, ops.graph_safe_decode)
-
-
-def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tokens_needed: int,
-              structured: StructuredStep | None = None) -> Engine:
-    """An engine on a loaded model with a KV pool sized for `tokens_needed` (batchprefill-eval builds one per
-    batch of lm-eval requests, on one model)."""
-    settings, model_config = job.engine, model.config
-    loaded, device, dtype, kv_dtype = model.loaded, model.device, model.dtype, model.kv_dtype
-    graphs = settings.cuda_graphs and device.type == "cuda" and model.graph_safe_decode
-    num_blocks = pool_blocks(model_config, kv_dtype, device, settings.block_size, settings.max_num_seqs,
-                             settings.kv_cache_tokens, tokens_needed)
-    config = EngineConfig(
-        block_size=settings.block_size, max_batched_tokens=settings.max_batched_tokens,
-        max_num_seqs=settings.max_num_seqs, num_blocks=num_blocks, prefix_caching=settings.prefix_caching,
-        cache_namespace=settings.cache_namespace, reserve_output_blocks=settings.reserve_output_blocks,
-        padded_decode="graphs" if graphs else "off",
-    )
-    scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
-             model_config.layer_windows, settings.block_size, job.model.adapter)
-    return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured)
-
-
 def _trap_sigterm() -> list[bool]:
     flag = [False]
 
@@ -275,47 +172,6 @@ def _drive(engine: Engine, requests: Iterator[tuple[PartitionRun, Request]], wri
                 raise Interrupted
     finally:
         writer.commit()
-
-
-def load_partition(data: DataSettings, block_size: int, params: SamplingParams, prepared: Prepared, part: int,
-                   skip: set) -> PartitionRun:
-    """Read one partition, drop rows already done, order the rest and turn them into requests: with task=score
-    a context request per row carrying its choices, with sampling.n > 1 sample 0 carrying the others."""
-    table = read_parquet(partition_path(prepared.partitions_dir, part), None, PARTITION_REMEDY)
-    written = skip if params.n > 1 else set()
-    if params.n > 1:  # a row is done when all its samples are
-        skip = {i for i, count in Counter(i for i, _ in written).items() if count >= params.n}
-    if skip:
-        table = table.filter(pa.array([i not in skip for i in table[data.columns.id].to_pylist()]))
-    sampling = partition_sampling(table, data.columns, params, prepared.model_config.max_positions)
-    table = table.set_column(table.schema.get_field_index(ERROR), ERROR, pa.array(sampling.errors, pa.string()))
-    if written:
-        row_of = dict(zip(table[data.columns.id].to_pylist(), table[ROW].to_pylist()))
-        written = {(row_of[i], sample) for i, sample in written if i in row_of}
-    order = run_order(table[TOKENS], table[NAMESPACE], table[ROW], table[ERROR], data.order)
-    token_ids, namespaces = table[TOKENS].take(order), table[NAMESPACE].take(order)
-    rows = table[ROW].take(order).to_pylist()
-    if data.columns.choices:
-        choices = table[CHOICES].take(order).to_pylist()
-        requests = [score_request(row, ids, row_choices, namespace) for row, ids, row_choices, namespace
-                    in zip(rows, token_ids.to_pylist(), choices, namespaces.to_pylist())]
-    else:
-        settings = [sampling.settings[i] for i in sampling.index[order].tolist()]
-        requests = [with_samples(Request(row, ids, row_params, namespace)) for row, ids, row_params, namespace
-                    in zip(rows, token_ids.to_pylist(), settings, namespaces.to_pylist())]
-    link_prefix_donors(requests, shared_with_previous(token_ids, namespaces, block_size))
-    errors = [(i, message) for i, message in enumerate(sampling.errors) if message is not None]
-    return PartitionRun(part, table, errors, requests, groups(token_ids, namespaces, block_size),
-                        dict(zip(rows, order.tolist())), sum(r.sampling.n for r in requests),
-                        sum(reusable_tokens(token_ids, namespaces, block_size)), written)
-
-
-def link_prefix_donors(requests: list[Request], shared_blocks: np.ndarray) -> None:
-    """Point each request at the one before it in run order when they share leading full blocks (the order
-    stage's count), so the scheduler copies those block keys instead of hashing the same tokens again."""
-    for previous, request, shared in zip(requests, requests[1:], shared_blocks[1:].tolist()):
-        if shared:
-            request.prefix_donor, request.donor_blocks = previous, shared
 
 
 def _record(run: PartitionRun, request: Request, writer: ResultWriter, totals: JobTotals) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchprefill.io.results import save_png
+from batchprefill.io.atomic import save_png
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request
-from batchprefill.io.results import write_records
+from batchprefill.io.atomic import write_records
 from batchprefill.pipeline.order import Group
 from batchprefill.settings import Sharding
 

@@ -1,0 +1,88 @@
+"""Load a job's model and build the engine around it: device, dtype, backend, KV pool, grammar machinery."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.constraint import GrammarError
+from batchprefill.engine.engine import Engine
+from batchprefill.engine.grammar import Grammars
+from batchprefill.engine.kv_cache import pool_blocks
+from batchprefill.engine.structured import StructuredStep
+from batchprefill.errors import JobError
+from batchprefill.malloc import keep_freed_memory
+from batchprefill.model.config import ModelConfig
+from batchprefill.model.loader import LoadedModel, load_model, make_ops, resolve_device, resolve_dtype
+from batchprefill.model.tokenizer import PromptTokenizer
+from batchprefill.pipeline.prepare import Prepared
+from batchprefill.settings import JobSettings
+
+
+@dataclass
+class JobModel:
+    """The model loaded for a job, with what every engine built on it shares."""
+
+    loaded: LoadedModel
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    graph_safe_decode: bool
+
+
+def structured_step(job: JobSettings, prepared: Prepared) -> StructuredStep:
+    """The grammar machinery, built only for a job whose rows can be constrained; the job-wide constraint is
+    compiled here, before the model loads, so a schema that cannot compile fails the job in seconds."""
+    config = prepared.model_config
+    grammars = Grammars(prepared.tokenizer, config.vocab_size, config.eos_token_ids)
+    constraint = job.sampling.constraint
+    if constraint is not None:
+        try:
+            grammars.compile(constraint)
+        except GrammarError as error:
+            raise JobError(f"sampling.{constraint.kind}: {error}; fix the constraint") from None
+    return StructuredStep(grammars, job.engine.max_num_seqs)
+
+
+def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int,
+                 structured: StructuredStep | None = None) -> Engine:
+    """Load the model on the chosen device and backend, size the KV pool, and build the engine around them."""
+    model = load_job_model(job, prepared.folder, prepared.model_config, prepared.identity)
+    return engine_on(job, model, prepared.tokenizer, tokens_needed, structured)
+
+
+def load_job_model(job: JobSettings, folder: Path, model_config: ModelConfig, identity: str) -> JobModel:
+    settings = job.engine
+    device = resolve_device(settings.device)
+    keep_freed_memory()
+    if device.type == "cpu" and settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    dtype = resolve_dtype(job.model.dtype, device)
+    kv_dtype = dtype if settings.kv_cache_dtype == "auto" else resolve_dtype(settings.kv_cache_dtype, device)
+    ops = make_ops(settings.attention_backend, device)
+    loaded = load_model(folder, dtype, device, ops, model_config, identity)
+    return JobModel(loaded, model_config, device, dtype, kv_dtype, ops.graph_safe_decode)
+
+
+def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tokens_needed: int,
+              structured: StructuredStep | None = None) -> Engine:
+    """An engine on a loaded model with a KV pool sized for `tokens_needed` (batchprefill-eval builds one per
+    batch of lm-eval requests, on one model)."""
+    settings, model_config = job.engine, model.config
+    loaded, device, dtype, kv_dtype = model.loaded, model.device, model.dtype, model.kv_dtype
+    graphs = settings.cuda_graphs and device.type == "cuda" and model.graph_safe_decode
+    num_blocks = pool_blocks(model_config, kv_dtype, device, settings.block_size, settings.max_num_seqs,
+                             settings.kv_cache_tokens, tokens_needed)
+    config = EngineConfig(
+        block_size=settings.block_size, max_batched_tokens=settings.max_batched_tokens,
+        max_num_seqs=settings.max_num_seqs, num_blocks=num_blocks, prefix_caching=settings.prefix_caching,
+        cache_namespace=settings.cache_namespace, reserve_output_blocks=settings.reserve_output_blocks,
+        padded_decode="graphs" if graphs else "off",
+    )
+    scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
+             model_config.layer_windows, settings.block_size, job.model.adapter)
+    return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured)

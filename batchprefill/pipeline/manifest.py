@@ -1,0 +1,82 @@
+"""What a job's prepared partitions are made from and hold: the recipe (PrepareSettings), its fingerprint, and the
+manifest, written under one lock."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from batchprefill.io.columns import Columns
+
+PARTITIONS_PER_SHARD = 4  # the least a sharded job asks for, so whole partitions can balance its shards
+
+
+PARTITION_SCHEMA = pa.schema([("partition", pa.int64()), ("rows", pa.int64()), ("prompt_tokens", pa.int64()),
+                              ("bytes", pa.int64()), ("shard", pa.int64())])
+
+
+@dataclass(frozen=True)
+class PrepareSettings:
+    columns: Columns
+    chat_template: bool
+    order: str
+    block_size: int
+    max_prompt_tokens: int
+    tokenizer_id: str
+    read_batch_rows: int
+    buffer_mb: int
+    min_partitions: int = 1  # e.g. a few per shard, so that shards balance; not part of the fingerprint
+
+
+@dataclass
+class Manifest:
+    fingerprint: str
+    num_rows: int
+    partition_rows: list[int]
+    partition_tokens: list[int]
+    partition_bytes: list[int] = field(default_factory=list)  # Arrow bytes of each partition once read back
+
+    @property
+    def num_partitions(self) -> int:
+        return len(self.partition_rows)
+
+
+def partition_path(folder: Path, index: int) -> Path:
+    return folder / f"part-{index:05d}.parquet"
+
+
+def partition_records(manifest: Manifest, shards: list[list[int]]) -> list[dict]:
+    """One row per partition for `stats/partitions.parquet` (PARTITION_SCHEMA): its size and its shard."""
+    shard_of = {part: shard for shard, parts in enumerate(shards) for part in parts}
+    sizes = manifest.partition_bytes or [None] * manifest.num_partitions
+    return [{"partition": part, "rows": rows, "prompt_tokens": tokens, "bytes": size, "shard": shard_of[part]}
+            for part, (rows, tokens, size) in enumerate(zip(manifest.partition_rows, manifest.partition_tokens,
+                                                           sizes))]
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """One process prepares; shards started at the same time wait for it and reuse its partitions."""
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def recipe_fingerprint(files: list[Path], settings: PrepareSettings) -> str:
+    """What the partitions' content depends on; how many there are is left out, as any count serves any job."""
+    recipe = {key: value for key, value in asdict(settings).items() if key != "min_partitions"}
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode())
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
