@@ -16,14 +16,8 @@ import pytest
 from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS
 from batchprefill.model.config import kv_bytes_per_token
 from batchprefill.model.families import read_config
-from batchprefill.pipeline.plan import (
-    PLAN_SCHEMA,
-    Tally,
-    attention_pairs,
-    prefill_flops,
-    print_report,
-    transfer_seconds,
-)
+from batchprefill.pipeline.plan import PLAN_SCHEMA, Tally, attention_pairs, prefill_flops, transfer_seconds
+from batchprefill.report.summary import print_plan_summary
 from batchprefill.units import readable_bytes
 from tests.conftest import run_cli
 
@@ -73,7 +67,7 @@ def test_the_report_prints_a_2_tb_kv_cache_in_tib(capsys, tmp_path) -> None:
     row = {"requests": 10, "error_rows": 0, "groups": 2, "largest_group": 6, "ideal_computed_tokens": 50,
            "computed_tokens_without_reuse": 100, "prefill_flops_with_reuse": 1e12, "prefill_flops_without_reuse": 2e12,
            "kv_bytes_per_token": 46_080, "kv_bytes_total": 2_280_201_597_747, "kv_transfer_seconds_mean": 1e-3}
-    print_report(row, 100.0, tmp_path)
+    print_plan_summary(row, 100.0, tmp_path)
     assert "46,080 bytes per token, 2.07 TiB for all prompts" in capsys.readouterr().out
 
 

@@ -14,20 +14,20 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchprefill.io.atomic import save_png, write_records
+from batchprefill.io.atomic import write_records
 from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS
 from batchprefill.pipeline.manifest import partition_path
 from batchprefill.pipeline.order import groups, reusable_tokens, run_order, shared_with_previous
 from batchprefill.pipeline.prepare import prepare_job
+from batchprefill.report.plan_figure import draw_plan
+from batchprefill.report.summary import print_plan_summary
 from batchprefill.settings import JobSettings
-from batchprefill.units import readable_bytes
 
 if TYPE_CHECKING:  # pulls in torch, which the entry point loads only after Hydra parsed the command line
     from batchprefill.model.config import ModelConfig
@@ -148,75 +148,7 @@ def plan_job(job: JobSettings) -> dict:
     row = plan_row(tally, prepared.model_config, kv_element_bytes(job), job.plan_link_gbps)
     out = job.output.dir
     write_records([row], out / "plan.parquet", PLAN_SCHEMA)
-    draw_plan(tally, block_size, out / "plan.png")
-    print_report(row, job.plan_link_gbps, out)
+    draw_plan(row, tally.depths, tally.group_sizes, block_size, out / "plan.png")
+    print_plan_summary(row, job.plan_link_gbps, out)
     return row
-
-
-def draw_plan(tally: Tally, block_size: int, path: Path) -> None:
-    """Left: how much of the dataset each depth of the prefix tree shares. Right: the spread of group sizes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
-    deepest = max(tally.depths, default=0)
-    depths = list(range(1, deepest + 1))
-    at_least = [sum(n for d, n in tally.depths.items() if d >= depth) / max(tally.requests, 1) for depth in depths]
-    left.bar(depths, at_least, width=0.85, color="tab:blue")
-    left.set(xlabel=f"prefix depth (full blocks of {block_size} tokens)",
-             ylabel="fraction of requests sharing at least this deep", ylim=(0, 1.02),
-             title="How deep prompts share a prefix with another prompt")
-    left.xaxis.set_major_locator(MaxNLocator(integer=True))
-    left.grid(alpha=0.3, axis="y")
-    if not depths:
-        left.text(0.5, 0.5, "no request shares a full block", ha="center", va="center", transform=left.transAxes)
-
-    sizes = sorted(tally.group_sizes.elements())
-    largest = max(sizes, default=1)
-    right.hist(sizes, bins=_size_bins(largest), color="tab:orange", edgecolor="black", linewidth=0.5)
-    right.set(xlabel="requests in the group", ylabel="groups",
-              title=f"Group sizes: {len(sizes)} groups, largest {largest}")
-    if largest > 64:
-        right.set_xscale("log")
-    else:
-        right.xaxis.set_major_locator(MaxNLocator(integer=True))
-    right.yaxis.set_major_locator(MaxNLocator(integer=True))
-    if tally.group_sizes and max(tally.group_sizes.values()) > 50 * min(tally.group_sizes.values()):
-        right.set_yscale("log")
-    right.grid(alpha=0.3, axis="y")
-    figure.suptitle(f"batchprefill plan: {tally.requests} requests, {tally.prompt_tokens} prompt tokens")
-    save_png(figure, path)
-    plt.close(figure)
-
-
-def _size_bins(largest: int) -> list[float]:
-    """One bar per size while sizes are few, else bins that double in width (read on a log axis)."""
-    if largest <= 64:
-        return [size - 0.5 for size in range(1, largest + 2)]
-    edges, edge = [], 1.0
-    while edge <= largest:
-        edges.append(edge)
-        edge *= 2
-    return [*edges, edge]
-
-
-def print_report(row: dict, link_gbps: float, out: Path) -> None:
-    """A handful of lines a person reads before deciding to launch the run."""
-    computed, without = row["ideal_computed_tokens"], row["computed_tokens_without_reuse"]
-    with_flops, without_flops = row["prefill_flops_with_reuse"], row["prefill_flops_without_reuse"]
-    ratio = f"{without / computed:.2f}x fewer" if computed else "nothing to compute"
-    saved = 1 - with_flops / without_flops if without_flops else 0.0
-    print(
-        f"batchprefill plan: {row['requests']} requests ({row['error_rows']} error rows) in {row['groups']} "
-        f"prefix groups, the largest of {row['largest_group']} requests\n"
-        f"  prompt tokens to compute: {computed:,} with prefix reuse vs {without:,} without ({ratio})\n"
-        f"  prefill FLOPs: {with_flops:.3g} with reuse vs {without_flops:.3g} without ({saved:.1%} saved)\n"
-        f"  KV cache: {row['kv_bytes_per_token']:,} bytes per token, {readable_bytes(row['kv_bytes_total'])} "
-        f"for all prompts\n"
-        f"  mean KV transfer per request at {link_gbps:g} Gb/s: {row['kv_transfer_seconds_mean'] * 1e3:.3f} ms\n"
-        f"  wrote {out / 'plan.parquet'} and {out / 'plan.png'}"
-    )
 

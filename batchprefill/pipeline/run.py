@@ -25,7 +25,8 @@ from batchprefill.pipeline.prepare import Prepared, prepare_job
 from batchprefill.pipeline.request_params import max_output_tokens, may_be_constrained
 from batchprefill.pipeline.requests import PARTITION_REMEDY, PartitionRun, load_partition
 from batchprefill.report.run_figure import write_run_figure
-from batchprefill.report.stats import JobTotals, job_row, print_summary, stats_dir, write_stats
+from batchprefill.report.stats import JobTotals, job_row, stats_dir, write_stats
+from batchprefill.report.summary import print_run_summary
 from batchprefill.settings import JobSettings
 
 SIGTERM_EXIT_STATUS = 143
@@ -67,7 +68,7 @@ def run_job(job: JobSettings) -> dict:
     if job.data.format == "openai_batch" and sharding.num_shards == 1:  # shards: the merge writes it
         write_results_jsonl(results_dir, out / "results.jsonl", job.model.name, prepared.tokenizer.decode_one)
     figure = write_run_figure(stats_dir(out, sharding), "batchprefill") if job.output.plot else None
-    print_summary(stats, out, figure)
+    print_run_summary(stats, out, figure)
     return stats
 
 

@@ -1,8 +1,7 @@
-"""A job's statistics: running totals while it runs, then stats/{job,groups,steps}.parquet and the summary."""
+"""A job's statistics: running totals while it runs, then stats/{job,groups,steps}.parquet."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -82,15 +81,3 @@ def write_stats(folder: Path, totals: JobTotals, engine: Engine, job: dict) -> N
     write_records([job], folder / "job.parquet")
     write_records([asdict(s) for s in engine.counters.steps], folder / "steps.parquet")
 
-
-def print_summary(job: dict, out: Path, figure: Path | None) -> None:
-    print(
-        f"batchprefill: {job['num_requests']} requests ({job['num_errors']} errors) in {job['wall_seconds']:.1f} s. "
-        f"Of {job['prompt_tokens']} prompt tokens, {job['cached_tokens']} came from the prefix cache "
-        f"({job['cache_hit_rate']:.1%}) and {job['computed_prompt_tokens']} were computed "
-        f"({job['prefill_tokens_per_second']:.0f} tokens/s); {job['output_tokens']} tokens were generated "
-        f"({job['output_tokens_per_second']:.1f} tokens/s). {job['evicted_blocks']} blocks were evicted and "
-        f"{job['preemptions']} requests preempted. Results and statistics are in {out}."
-        + (f"\nbatchprefill: the run at a glance: {figure}" if figure else ""),
-        file=sys.stderr,
-    )
