@@ -1,20 +1,18 @@
-"""Results and statistics out: Parquet files that appear whole (written aside, then renamed)."""
+"""Results out, in Parquet parts that appear whole (written aside, then renamed), and their ids read back in for a
+resume or a merge."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from batchprefill.io.atomic import write_atomic
 from batchprefill.io.columns import INTERNAL
 from batchprefill.io.dataset import read_parquet
-
-if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn
-    pass
 
 OUTPUT_FIELDS = [
     pa.field("output_text", pa.string()),
@@ -24,6 +22,7 @@ OUTPUT_FIELDS = [
     pa.field("finish_reason", pa.string()),
     pa.field("error", pa.string()),
 ]
+RESUME_REMEDY = "delete the part and rerun: its rows run again"
 SAMPLE_INDEX = pa.field("sample_index", pa.int32())  # with sampling.n > 1: which of a row's samples
 LOGPROB_FIELDS = [  # with sampling.logprobs
     pa.field("output_logprobs", pa.list_(pa.float64())),
@@ -49,15 +48,22 @@ def result_fields(task: str, samples: bool, logprobs: bool) -> list[pa.Field]:
     return [SAMPLE_INDEX] * samples + OUTPUT_FIELDS + LOGPROB_FIELDS * logprobs
 
 
+def committed_parts(results_dir: Path, id_column: str, samples: bool,
+                    remedy: Callable[[str], str]) -> Iterator[tuple[str, list]]:
+    """Each committed part's name and ids, (id, sample_index) pairs with `samples`, one part at a time; staging
+    files (`.part-*.tmp`) of a killed writer are not parts. A damaged part stops the job with `remedy(its name)`."""
+    columns = [id_column, SAMPLE_INDEX.name] if samples else [id_column]
+    for part in sorted(results_dir.glob("part-*.parquet")):
+        table = read_parquet(part, columns, remedy(part.name))
+        ids = table[id_column].to_pylist()
+        yield part.name, list(zip(ids, table[SAMPLE_INDEX.name].to_pylist())) if samples else ids
+
+
 def done_ids(results_dir: Path, id_column: str, samples: bool = False) -> set:
     """Ids already committed by earlier runs into this output folder; with `samples`, (id, sample_index) pairs."""
     ids: set = set()
-    columns = [id_column, SAMPLE_INDEX.name] if samples else [id_column]
-    for part in sorted(results_dir.glob("part-*.parquet")):
-        remedy = "delete the part and rerun: its rows run again"
-        table = read_parquet(part, columns, remedy)
-        keys = table[id_column].to_pylist()
-        ids.update(zip(keys, table[SAMPLE_INDEX.name].to_pylist()) if samples else keys)
+    for _, part_ids in committed_parts(results_dir, id_column, samples, lambda _: RESUME_REMEDY):
+        ids.update(part_ids)
     return ids
 
 

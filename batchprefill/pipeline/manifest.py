@@ -14,8 +14,11 @@ from pathlib import Path
 import pyarrow as pa
 
 from batchprefill.io.columns import Columns
+from batchprefill.io.dataset import read_parquet
 
 PARTITIONS_PER_SHARD = 4  # the least a sharded job asks for, so whole partitions can balance its shards
+MANIFEST_NAME = "manifest.json"
+PARTITION_REMEDY = "delete output.dir/partitions and rerun: the job prepares them again and resumes"
 
 
 PARTITION_SCHEMA = pa.schema([("partition", pa.int64()), ("rows", pa.int64()), ("prompt_tokens", pa.int64()),
@@ -48,8 +51,22 @@ class Manifest:
         return len(self.partition_rows)
 
 
+def read_manifest(folder: Path) -> Manifest:
+    """The manifest of the partitions in `folder`; OSError when there is none, ValueError when it is not JSON."""
+    return Manifest(**json.loads((folder / MANIFEST_NAME).read_text()))
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> None:
+    (folder / MANIFEST_NAME).write_text(json.dumps(asdict(manifest)))
+
+
 def partition_path(folder: Path, index: int) -> Path:
     return folder / f"part-{index:05d}.parquet"
+
+
+def read_partition(folder: Path, index: int, columns: list[str] | None = None) -> pa.Table:
+    """One prepared partition (all its columns, or `columns`); a damaged one stops the job with the remedy."""
+    return read_parquet(partition_path(folder, index), columns, PARTITION_REMEDY)
 
 
 def partition_records(manifest: Manifest, shards: list[list[int]]) -> list[dict]:

@@ -23,7 +23,6 @@ drawn from the combined files (`output.plot`), the shards' steps one after anoth
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections import Counter
@@ -36,16 +35,16 @@ from batchprefill.errors import JobError
 from batchprefill.io.atomic import write_atomic, write_records
 from batchprefill.io.dataset import read_parquet
 from batchprefill.io.openai_results import write_results_jsonl
-from batchprefill.io.results import SAMPLE_INDEX
+from batchprefill.io.results import committed_parts
 from batchprefill.model.loader import resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
-from batchprefill.pipeline.manifest import partition_path
+from batchprefill.pipeline.manifest import MANIFEST_NAME, partition_path, read_manifest
 from batchprefill.pipeline.order import assign_shards
 from batchprefill.report.run_figure import write_run_figure
 from batchprefill.settings import JobSettings
 
-SUMMED = ("num_requests", "num_errors", "prompt_tokens", "cached_tokens", "computed_prompt_tokens",
-          "output_tokens", "evicted_blocks", "preemptions", "ideal_cached_tokens")
+# The job row's columns combined by their largest value; the rates are recomputed and every other column is a count,
+# summed (see the module docstring).
 PEAKS = ("active_blocks", "reclaimable_blocks", "free_blocks", "wall_seconds", "max_batched_tokens")
 SHARD_DIR = re.compile(r"shard-(\d+)-of-(\d+)")
 PART_NAME = re.compile(r"part-(\d+)-")  # results/part-<shard>-<stamp>-<n>.parquet
@@ -69,17 +68,17 @@ class Inputs:
 
 
 def read_inputs(partitions_dir: Path, id_column: str, samples: int = 1) -> Inputs:
-    manifest_file = partitions_dir / "manifest.json"
+    manifest_file = partitions_dir / MANIFEST_NAME
     if not manifest_file.exists():
         raise JobError(f"{partitions_dir} holds no prepared partitions: pass the output.dir that batchprefill-run "
                        "wrote to")
     try:
-        manifest = json.loads(manifest_file.read_text())
+        manifest = read_manifest(partitions_dir)
     except (OSError, ValueError) as error:
         raise JobError(f"{manifest_file} cannot be read ({error}): rerun the job into a fresh output.dir") from error
     ids: list = []
     partition_of: dict = {}
-    for index, rows in enumerate(manifest["partition_rows"]):
+    for index, rows in enumerate(manifest.partition_rows):
         if rows == 0:
             continue  # an empty partition holds no id
         path = partition_path(partitions_dir, index)
@@ -91,19 +90,7 @@ def read_inputs(partitions_dir: Path, id_column: str, samples: int = 1) -> Input
             part_ids = [(i, sample) for i in part_ids for sample in range(samples)]
         ids.extend(part_ids)
         partition_of.update(dict.fromkeys(part_ids, index))
-    return Inputs(ids, partition_of, manifest["partition_tokens"])
-
-
-def read_results(results_dir: Path, id_column: str, samples: bool = False) -> dict[str, list]:
-    """Ids per committed part, (id, sample_index) pairs with `samples`; staging files (`.part-*.tmp`) of a killed
-    writer are not parts."""
-    columns = [id_column, SAMPLE_INDEX.name] if samples else [id_column]
-    parts = {}
-    for part in sorted(results_dir.glob("part-*.parquet")):
-        table = read_parquet(part, columns, _results_remedy(part.name))
-        ids = table[id_column].to_pylist()
-        parts[part.name] = list(zip(ids, table[SAMPLE_INDEX.name].to_pylist())) if samples else ids
-    return parts
+    return Inputs(ids, partition_of, manifest.partition_tokens)
 
 
 def _results_remedy(name: str) -> str:
@@ -199,7 +186,7 @@ def merge_shards(job: JobSettings) -> str:
     id_column = job.data.columns.id
     configured = job.data.configured_shards
     inputs = read_inputs(out / "partitions", id_column, job.sampling.n)
-    parts = read_results(out / "results", id_column, job.sampling.n > 1)
+    parts = dict(committed_parts(out / "results", id_column, job.sampling.n > 1, _results_remedy))
     num_shards, folders = shard_stats(out / "stats", configured)
     rows = check_complete(inputs, parts, _shards_for_report(configured, num_shards, parts), out / "results")
     if job.data.format == "openai_batch":

@@ -20,6 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS
+
 TokenColumn = Sequence[Sequence[int]] | pa.Array | pa.ChunkedArray
 NameColumn = Sequence[str] | pa.Array | pa.ChunkedArray
 
@@ -136,6 +138,22 @@ def run_order(token_ids: pa.ChunkedArray, namespaces: pa.ChunkedArray, rows: pa.
     if order == "prefix":
         return valid[np.asarray(prefix_order(token_ids.take(valid), namespaces.take(valid)), dtype=np.int64)]
     return valid[np.argsort(rows.to_numpy()[valid], kind="stable")]
+
+
+@dataclass
+class RunOrder:
+    """A partition's prompts that reach the engine, in the order a run takes them."""
+
+    order: np.ndarray  # positions in the partition's table, in run order
+    token_ids: pa.ChunkedArray  # the prompts' token ids in that order
+    namespaces: pa.ChunkedArray
+
+
+def in_run_order(partition: pa.Table, order: str) -> RunOrder:
+    """A partition's rows without an error, ordered as `data.order` asks (run_order), with their prompts: what the
+    run's requests and the plan's tally are both made from."""
+    run = run_order(partition[TOKENS], partition[NAMESPACE], partition[ROW], partition[ERROR], order)
+    return RunOrder(run, partition[TOKENS].take(run), partition[NAMESPACE].take(run))
 
 
 def groups(token_ids: TokenColumn, namespaces: NameColumn, block_size: int) -> list[Group]:

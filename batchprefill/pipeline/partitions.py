@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import math
 import shutil
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +35,16 @@ from batchprefill.io.dataset import open_dataset, record_batches
 from batchprefill.io.openai_batch import OpenAIBatchFile
 from batchprefill.io.unique_ids import check_unique_ids
 from batchprefill.model.tokenizer import PromptTokenizer
-from batchprefill.pipeline.manifest import Manifest, PrepareSettings, locked, partition_path, recipe_fingerprint
+from batchprefill.pipeline.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    PrepareSettings,
+    locked,
+    partition_path,
+    read_manifest,
+    recipe_fingerprint,
+    write_manifest,
+)
 from batchprefill.pipeline.tokenize import TOKENIZE_THREADS, tokenized_tables
 from batchprefill.units import readable_bytes
 
@@ -63,9 +70,8 @@ def prepare(files: list[Path], fmt: str, settings: PrepareSettings, tokenizer: P
     fingerprint = recipe_fingerprint(files, settings)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with locked(folder.parent / ".prepare.lock"):
-        manifest_file = folder / "manifest.json"
-        if manifest_file.exists():
-            manifest = Manifest(**json.loads(manifest_file.read_text()))
+        if (folder / MANIFEST_NAME).exists():
+            manifest = read_manifest(folder)
             if manifest.fingerprint == fingerprint:
                 return manifest
             shutil.rmtree(folder)  # the input or the settings changed: earlier partitions are stale
@@ -73,7 +79,7 @@ def prepare(files: list[Path], fmt: str, settings: PrepareSettings, tokenizer: P
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         manifest = _spill(files, fmt, settings, tokenizer, staging, fingerprint, progress, workers)
-        (staging / "manifest.json").write_text(json.dumps(asdict(manifest)))
+        write_manifest(staging, manifest)
         staging.rename(folder)
         return manifest
 

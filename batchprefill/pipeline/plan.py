@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchprefill.io.atomic import write_records
 from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS
-from batchprefill.pipeline.manifest import partition_path
-from batchprefill.pipeline.order import groups, reusable_tokens, run_order, shared_with_previous
+from batchprefill.pipeline.manifest import read_partition
+from batchprefill.pipeline.order import groups, in_run_order, reusable_tokens, shared_with_previous
 from batchprefill.pipeline.prepare import prepare_job
 from batchprefill.report.plan_figure import draw_plan
 from batchprefill.report.summary import print_plan_summary
@@ -85,22 +84,20 @@ class Tally:
 
     def add_partition(self, table: pa.Table, order: str, block_size: int) -> None:
         """Count one partition in the order a run would take it; error rows never reach the engine."""
-        run = run_order(table[TOKENS], table[NAMESPACE], table[ROW], table[ERROR], order)
-        trie = run if order == "prefix" else run_order(table[TOKENS], table[NAMESPACE], table[ROW], table[ERROR],
-                                                          "prefix")
-        run_ids, run_spaces = table[TOKENS].take(run), table[NAMESPACE].take(run)
-        lengths = np.diff(run_ids.combine_chunks().offsets.to_numpy()) if len(run) else np.zeros(0, np.int64)
-        reused = np.asarray(reusable_tokens(run_ids, run_spaces, block_size), dtype=np.int64)
+        run = in_run_order(table, order)
+        trie = run if order == "prefix" else in_run_order(table, "prefix")
+        count = len(run.order)
+        lengths = np.diff(run.token_ids.combine_chunks().offsets.to_numpy()) if count else np.zeros(0, np.int64)
+        reused = np.asarray(reusable_tokens(run.token_ids, run.namespaces, block_size), dtype=np.int64)
         fresh = lengths - reused
         self.computed_tokens += int(fresh.sum())
         self.pairs_with_reuse += int(sum(map(attention_pairs, reused.tolist(), fresh.tolist())))
         self.pairs_without_reuse += int(sum(attention_pairs(0, n) for n in lengths.tolist()))
-        self.error_rows += table.num_rows - len(run)
-        self.requests += len(run)
+        self.error_rows += table.num_rows - count
+        self.requests += count
         self.prompt_tokens += int(lengths.sum())
-        self.group_sizes.update(g.stop - g.start for g in groups(run_ids, run_spaces, block_size))
-        self.depths.update(sharing_depths(table[TOKENS].take(trie), table[NAMESPACE].take(trie),
-                                          block_size).tolist())
+        self.group_sizes.update(g.stop - g.start for g in groups(run.token_ids, run.namespaces, block_size))
+        self.depths.update(sharing_depths(trie.token_ids, trie.namespaces, block_size).tolist())
 
 
 def kv_element_bytes(job: JobSettings) -> int:
@@ -142,9 +139,8 @@ def plan_job(job: JobSettings) -> dict:
     tally = Tally()
     for part, num_rows in enumerate(prepared.manifest.partition_rows):
         if num_rows:  # an empty partition's file holds nothing to count
-            path = partition_path(prepared.partitions_dir, part)
-            tally.add_partition(pq.read_table(path, columns=[TOKENS, ERROR, NAMESPACE, ROW]), job.data.order,
-                                block_size)
+            table = read_partition(prepared.partitions_dir, part, [TOKENS, ERROR, NAMESPACE, ROW])
+            tally.add_partition(table, job.data.order, block_size)
     row = plan_row(tally, prepared.model_config, kv_element_bytes(job), job.plan_link_gbps)
     out = job.output.dir
     write_records([row], out / "plan.parquet", PLAN_SCHEMA)

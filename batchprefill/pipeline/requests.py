@@ -10,15 +10,12 @@ import pyarrow as pa
 
 from batchprefill.engine.request import Request, SamplingParams, with_samples
 from batchprefill.engine.scoring import score_request
-from batchprefill.io.columns import CHOICES, ERROR, NAMESPACE, ROW, TOKENS
-from batchprefill.io.dataset import read_parquet
-from batchprefill.pipeline.manifest import partition_path
-from batchprefill.pipeline.order import Group, groups, reusable_tokens, run_order, shared_with_previous
+from batchprefill.io.columns import CHOICES, ERROR, ROW
+from batchprefill.pipeline.manifest import read_partition
+from batchprefill.pipeline.order import Group, groups, in_run_order, reusable_tokens, shared_with_previous
 from batchprefill.pipeline.prepare import Prepared
 from batchprefill.pipeline.request_params import partition_sampling
 from batchprefill.settings import DataSettings
-
-PARTITION_REMEDY = "delete output.dir/partitions and rerun: the job prepares them again and resumes"
 
 
 @dataclass
@@ -40,7 +37,7 @@ def load_partition(data: DataSettings, block_size: int, params: SamplingParams, 
                    skip: set) -> PartitionRun:
     """Read one partition, drop rows already done, order the rest and turn them into requests: with task=score
     a context request per row carrying its choices, with sampling.n > 1 sample 0 carrying the others."""
-    table = read_parquet(partition_path(prepared.partitions_dir, part), None, PARTITION_REMEDY)
+    table = read_partition(prepared.partitions_dir, part)
     written = skip if params.n > 1 else set()
     if params.n > 1:  # a row is done when all its samples are
         skip = {i for i, count in Counter(i for i, _ in written).items() if count >= params.n}
@@ -51,8 +48,8 @@ def load_partition(data: DataSettings, block_size: int, params: SamplingParams, 
     if written:
         row_of = dict(zip(table[data.columns.id].to_pylist(), table[ROW].to_pylist()))
         written = {(row_of[i], sample) for i, sample in written if i in row_of}
-    order = run_order(table[TOKENS], table[NAMESPACE], table[ROW], table[ERROR], data.order)
-    token_ids, namespaces = table[TOKENS].take(order), table[NAMESPACE].take(order)
+    run = in_run_order(table, data.order)
+    order, token_ids, namespaces = run.order, run.token_ids, run.namespaces
     rows = table[ROW].take(order).to_pylist()
     if data.columns.choices:
         choices = table[CHOICES].take(order).to_pylist()

@@ -15,15 +15,14 @@ from batchprefill.engine.request import Request
 from batchprefill.errors import JobError
 from batchprefill.io.atomic import write_records
 from batchprefill.io.columns import ROW
-from batchprefill.io.dataset import read_parquet
 from batchprefill.io.openai_results import write_results_jsonl
 from batchprefill.io.results import Outcome, ResultWriter, done_ids, result_fields
 from batchprefill.pipeline.build_engine import build_engine, structured_step
-from batchprefill.pipeline.manifest import PARTITION_SCHEMA, partition_path, partition_records
+from batchprefill.pipeline.manifest import PARTITION_SCHEMA, partition_path, partition_records, read_partition
 from batchprefill.pipeline.order import assign_shards
 from batchprefill.pipeline.prepare import Prepared, prepare_job
 from batchprefill.pipeline.request_params import max_output_tokens, may_be_constrained
-from batchprefill.pipeline.requests import PARTITION_REMEDY, PartitionRun, load_partition
+from batchprefill.pipeline.requests import PartitionRun, load_partition
 from batchprefill.report.run_figure import write_run_figure
 from batchprefill.report.stats import JobTotals, job_row, stats_dir, write_stats
 from batchprefill.report.summary import print_run_summary
@@ -102,8 +101,8 @@ def _shard_demand(job: JobSettings, prepared: Prepared, partitions: list[int]) -
         return rows * default.max_tokens, default.constraint is not None
     output_tokens, constrained = 0, default.constraint is not None
     for part in partitions:
-        path = partition_path(prepared.partitions_dir, part)
-        table = read_parquet(path, [name for name in wanted if name in pq.read_schema(path).names], PARTITION_REMEDY)
+        names = pq.read_schema(partition_path(prepared.partitions_dir, part)).names
+        table = read_partition(prepared.partitions_dir, part, [name for name in wanted if name in names])
         output_tokens += max_output_tokens(table, default)
         constrained = constrained or may_be_constrained(table, columns)
     return output_tokens, constrained
