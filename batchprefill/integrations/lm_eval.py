@@ -28,9 +28,8 @@ from batchprefill.cli.app import CONFIG_DIR
 from batchprefill.engine.request import Request, SamplingParams
 from batchprefill.engine.scoring import score_request
 from batchprefill.errors import JobError
-from batchprefill.model.loader import model_identity, read_model_config, resolve_folder
-from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.build_engine import engine_on, load_job_model
+from batchprefill.pipeline.prepare import open_model
 from batchprefill.settings import JobSettings
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HF backend's default
@@ -53,10 +52,9 @@ class BatchprefillLM(TemplateLM):
         `engine.device` decide those here."""
         super().__init__()
         self.job = job_settings(pretrained, dtype, config)
-        folder = resolve_folder(self.job.model.path)
-        self.model_config = read_model_config(folder)
-        self.tokenizer_files = PromptTokenizer(folder)
-        self.model = load_job_model(self.job, folder, self.model_config, model_identity(folder))
+        files = open_model(self.job.model)
+        self.model_config, self.tokenizer_files = files.config, files.tokenizer
+        self.model = load_job_model(self.job, files)
         vocab = self.tokenizer_files.tokenizer
         eos, bos = self.tokenizer_files.eos_token, self.tokenizer_files.bos_token
         self._eot = vocab.token_to_id(eos) if eos else self.model_config.eos_token_ids[0]

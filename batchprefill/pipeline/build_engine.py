@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -18,7 +17,7 @@ from batchprefill.malloc import keep_freed_memory
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.loader import LoadedModel, load_model, make_ops, resolve_device, resolve_dtype
 from batchprefill.model.tokenizer import PromptTokenizer
-from batchprefill.pipeline.prepare import Prepared
+from batchprefill.pipeline.prepare import ModelFiles, Prepared
 from batchprefill.settings import JobSettings
 
 
@@ -37,8 +36,8 @@ class JobModel:
 def structured_step(job: JobSettings, prepared: Prepared) -> StructuredStep:
     """The grammar machinery, built only for a job whose rows can be constrained; the job-wide constraint is
     compiled here, before the model loads, so a schema that cannot compile fails the job in seconds."""
-    config = prepared.model_config
-    grammars = Grammars(prepared.tokenizer, config.vocab_size, config.eos_token_ids)
+    config = prepared.model.config
+    grammars = Grammars(prepared.model.tokenizer, config.vocab_size, config.eos_token_ids)
     constraint = job.sampling.constraint
     if constraint is not None:
         try:
@@ -51,11 +50,11 @@ def structured_step(job: JobSettings, prepared: Prepared) -> StructuredStep:
 def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int,
                  structured: StructuredStep | None = None) -> Engine:
     """Load the model on the chosen device and backend, size the KV pool, and build the engine around them."""
-    model = load_job_model(job, prepared.folder, prepared.model_config, prepared.identity)
-    return engine_on(job, model, prepared.tokenizer, tokens_needed, structured)
+    model = load_job_model(job, prepared.model)
+    return engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured)
 
 
-def load_job_model(job: JobSettings, folder: Path, model_config: ModelConfig, identity: str) -> JobModel:
+def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
     settings = job.engine
     device = resolve_device(settings.device)
     keep_freed_memory()
@@ -64,8 +63,8 @@ def load_job_model(job: JobSettings, folder: Path, model_config: ModelConfig, id
     dtype = resolve_dtype(job.model.dtype, device)
     kv_dtype = dtype if settings.kv_cache_dtype == "auto" else resolve_dtype(settings.kv_cache_dtype, device)
     ops = make_ops(settings.attention_backend, device)
-    loaded = load_model(folder, dtype, device, ops, model_config, identity)
-    return JobModel(loaded, model_config, device, dtype, kv_dtype, ops.graph_safe_decode)
+    loaded = load_model(files.folder, dtype, device, ops, files.config, files.identity)
+    return JobModel(loaded, files.config, device, dtype, kv_dtype, ops.graph_safe_decode)
 
 
 def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tokens_needed: int,

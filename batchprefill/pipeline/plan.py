@@ -141,7 +141,7 @@ def plan_job(job: JobSettings) -> dict:
         if num_rows:  # an empty partition's file holds nothing to count
             table = read_partition(prepared.partitions_dir, part, [TOKENS, ERROR, NAMESPACE, ROW])
             tally.add_partition(table, job.data.order, block_size)
-    row = plan_row(tally, prepared.model_config, kv_element_bytes(job), job.plan_link_gbps)
+    row = plan_row(tally, prepared.model.config, kv_element_bytes(job), job.plan_link_gbps)
     out = job.output.dir
     write_records([row], out / "plan.parquet", PLAN_SCHEMA)
     draw_plan(row, tally.depths, tally.group_sizes, block_size, out / "plan.png")

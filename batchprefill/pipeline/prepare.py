@@ -15,40 +15,50 @@ from batchprefill.model.loader import model_identity, read_model_config, resolve
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.manifest import PARTITIONS_PER_SHARD, Manifest, PrepareSettings
 from batchprefill.pipeline.partitions import prepare
-from batchprefill.settings import JobSettings
+from batchprefill.settings import JobSettings, ModelSettings
+
+
+@dataclass
+class ModelFiles:
+    """A job's model folder, opened once: what the run, the plan and batchprefill-eval read before any weight."""
+
+    folder: Path
+    config: ModelConfig
+    identity: str  # model_identity(folder), read once per job
+    tokenizer: PromptTokenizer
 
 
 @dataclass
 class Prepared:
-    """What the plan command and the run share: the model's folder, config, identity and tokenizer, and the
-    input's partitions."""
+    """What the plan command and the run share: the opened model and the input's partitions."""
 
-    folder: Path
-    model_config: ModelConfig
-    identity: str  # model_identity(folder), read once per job
-    tokenizer: PromptTokenizer
+    model: ModelFiles
     manifest: Manifest
     partitions_dir: Path
 
 
+def open_model(settings: ModelSettings) -> ModelFiles:
+    """The model folder `model.path` names (the shipped GGUF converted when null), its config, identity and
+    tokenizer."""
+    folder = resolve_folder(settings.path)
+    return ModelFiles(folder, read_model_config(folder), model_identity(folder), PromptTokenizer(folder))
+
+
 def prepare_job(job: JobSettings) -> Prepared:
     files, fmt = resolve_input(job.data.input, job.data.format)
-    folder = resolve_folder(job.model.path)
-    model_config = read_model_config(folder)
-    identity = model_identity(folder)
-    tokenizer = PromptTokenizer(folder)
-    if (job.data.chat_template or job.data.columns.messages) and tokenizer.chat_template is None:
+    model = open_model(job.model)
+    if (job.data.chat_template or job.data.columns.messages) and model.tokenizer.chat_template is None:
         asked = "data.chat_template=true" if job.data.chat_template else "a conversation column"
-        raise JobError(f"{asked} needs a chat template, but {folder} has none")
+        raise JobError(f"{asked} needs a chat template, but {model.folder} has none")
     prepare_settings = PrepareSettings(
         columns=job.data.columns, chat_template=job.data.chat_template, order=job.data.order,
-        block_size=job.engine.block_size, max_prompt_tokens=_max_prompt_tokens(job, model_config),
-        tokenizer_id=identity, read_batch_rows=job.data.read_batch_rows, buffer_mb=job.data.buffer_mb,
+        block_size=job.engine.block_size, max_prompt_tokens=_max_prompt_tokens(job, model.config),
+        tokenizer_id=model.identity, read_batch_rows=job.data.read_batch_rows, buffer_mb=job.data.buffer_mb,
         min_partitions=PARTITIONS_PER_SHARD * job.data.sharding.num_shards,
     )
     partitions_dir = job.output.dir / "partitions"
-    manifest = prepare(files, fmt, prepare_settings, tokenizer, partitions_dir, job.output.progress)
-    return Prepared(folder, model_config, identity, tokenizer, manifest, partitions_dir)
+    manifest = prepare(files, fmt, prepare_settings, model.tokenizer, partitions_dir, job.output.progress)
+    return Prepared(model, manifest, partitions_dir)
 
 
 def _max_prompt_tokens(job: JobSettings, model_config: ModelConfig) -> int:

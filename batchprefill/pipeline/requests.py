@@ -43,7 +43,7 @@ def load_partition(data: DataSettings, block_size: int, params: SamplingParams, 
         skip = {i for i, count in Counter(i for i, _ in written).items() if count >= params.n}
     if skip:
         table = table.filter(pa.array([i not in skip for i in table[data.columns.id].to_pylist()]))
-    sampling = partition_sampling(table, data.columns, params, prepared.model_config.max_positions)
+    sampling = partition_sampling(table, data.columns, params, prepared.model.config.max_positions)
     table = table.set_column(table.schema.get_field_index(ERROR), ERROR, pa.array(sampling.errors, pa.string()))
     if written:
         row_of = dict(zip(table[data.columns.id].to_pylist(), table[ROW].to_pylist()))

@@ -65,7 +65,7 @@ def run_job(job: JobSettings) -> dict:
     stats = job_row(totals, engine, time.perf_counter() - started)
     write_stats(stats_dir(out, sharding), totals, engine, stats)
     if job.data.format == "openai_batch" and sharding.num_shards == 1:  # shards: the merge writes it
-        write_results_jsonl(results_dir, out / "results.jsonl", job.model.name, prepared.tokenizer.decode_one)
+        write_results_jsonl(results_dir, out / "results.jsonl", job.model.name, prepared.model.tokenizer.decode_one)
     figure = write_run_figure(stats_dir(out, sharding), "batchprefill") if job.output.plot else None
     print_run_summary(stats, out, figure)
     return stats
