@@ -8,14 +8,14 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from batchprefill.engine.request import Request, SamplingParams, with_samples
+from batchprefill.engine.request import Request, with_samples
 from batchprefill.engine.scoring import score_request
 from batchprefill.io.columns import CHOICES, ERROR, ROW
 from batchprefill.pipeline.manifest import read_partition
 from batchprefill.pipeline.order import Group, groups, in_run_order, reusable_tokens, shared_with_previous
 from batchprefill.pipeline.prepare import Prepared
 from batchprefill.pipeline.request_params import partition_sampling
-from batchprefill.settings import DataSettings
+from batchprefill.settings import JobSettings
 
 
 @dataclass
@@ -33,10 +33,10 @@ class PartitionRun:
     written: set  # with sampling.n > 1: (request id, sample_index) of samples an earlier run committed
 
 
-def load_partition(data: DataSettings, block_size: int, params: SamplingParams, prepared: Prepared, part: int,
-                   skip: set) -> PartitionRun:
+def load_partition(job: JobSettings, prepared: Prepared, part: int, skip: set) -> PartitionRun:
     """Read one partition, drop rows already done, order the rest and turn them into requests: with task=score
     a context request per row carrying its choices, with sampling.n > 1 sample 0 carrying the others."""
+    data, block_size, params = job.data, job.engine.block_size, job.sampling
     table = read_partition(prepared.partitions_dir, part)
     written = skip if params.n > 1 else set()
     if params.n > 1:  # a row is done when all its samples are

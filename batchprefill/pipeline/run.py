@@ -45,7 +45,7 @@ def run_job(job: JobSettings) -> dict:
     mine = _shard_partitions(job, prepared)
     output_tokens, constrained = _shard_demand(job, prepared, mine)
     structured = structured_step(job, prepared) if constrained else None  # before the model: a bad schema fails fast
-    engine = build_engine(job, prepared, _tokens_needed(prepared, mine, job, output_tokens), structured)
+    engine = build_engine(job, prepared, _tokens_needed(job, prepared, mine, output_tokens), structured)
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds,
                           result_fields(job.task, job.sampling.n > 1, _may_ask_logprobs(job)))
@@ -63,10 +63,11 @@ def run_job(job: JobSettings) -> dict:
         sys.exit(SIGTERM_EXIT_STATUS)
     bar.close()
     stats = job_row(totals, engine, time.perf_counter() - started)
-    write_stats(stats_dir(out, sharding), totals, engine, stats)
+    stats_folder = stats_dir(out, sharding)
+    write_stats(stats_folder, totals, engine, stats)
     if job.data.format == "openai_batch" and sharding.num_shards == 1:  # shards: the merge writes it
         write_results_jsonl(results_dir, out / "results.jsonl", job.model.name, prepared.model.tokenizer.decode_one)
-    figure = write_run_figure(stats_dir(out, sharding), "batchprefill") if job.output.plot else None
+    figure = write_run_figure(stats_folder, "batchprefill") if job.output.plot else None
     print_run_summary(stats, out, figure)
     return stats
 
@@ -108,7 +109,7 @@ def _shard_demand(job: JobSettings, prepared: Prepared, partitions: list[int]) -
     return output_tokens, constrained
 
 
-def _tokens_needed(prepared: Prepared, partitions: list[int], job: JobSettings, output_tokens: int) -> int:
+def _tokens_needed(job: JobSettings, prepared: Prepared, partitions: list[int], output_tokens: int) -> int:
     """KV slots that would hold every prompt and output of this shard at once: a pool never needs more. With
     task=score the choices' tokens are not in the manifest: twice the contexts' is taken (a pool that is short
     only makes children wait)."""
@@ -133,7 +134,7 @@ def _requests(job: JobSettings, prepared: Prepared, partitions: list[int], skip:
     """Requests of every partition in turn, each with its partition: the next partition starts while the last one
     drains. Rows that never reach the engine are written here as error rows."""
     for part in partitions:
-        run = load_partition(job.data, job.engine.block_size, job.sampling, prepared, part, skip)
+        run = load_partition(job, prepared, part, skip)
         totals.ideal_cached_tokens += run.ideal_cached_tokens
         row_numbers = run.table[ROW]
         for index, message in run.errors:
