@@ -14,11 +14,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from batchprefill.engine.constraint import GrammarError, job_constraint
-from batchprefill.engine.request import SamplingParams
+from batchprefill.constraint import GrammarError, job_constraint
 from batchprefill.errors import JobError
 from batchprefill.io import openai_batch
 from batchprefill.io.dataset import Columns
+from batchprefill.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,11 @@ import torch
 
 from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine, StepRecord
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request
 from batchprefill.kernels.triton.ops import TritonOps
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
+from batchprefill.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

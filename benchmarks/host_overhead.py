@@ -84,7 +84,12 @@ def rows() -> list[list[int]]:
 
 def measure() -> dict:
     from batchprefill.engine.engine import Engine, EngineConfig
-    from batchprefill.engine.request import Request, SamplingParams
+    from batchprefill.engine.request import Request
+
+    try:
+        from batchprefill.sampling_params import SamplingParams
+    except ImportError:  # revisions before it was a module of its own
+        from batchprefill.engine.request import SamplingParams
 
     torch.set_num_threads(int(os.environ.get("BP_THREADS", "2")))
     model = tiny_model()

@@ -196,8 +196,9 @@ def test_triton_and_the_padded_decode_buffers_give_torch_greedy_tokens_past_a_wi
     replay (run eagerly here), whose decode launches are planned for the longest context, not the window."""
     from batchprefill.engine.config import EngineConfig
     from batchprefill.engine.engine import Engine
-    from batchprefill.engine.request import Request, SamplingParams
+    from batchprefill.engine.request import Request
     from batchprefill.kernels.triton.ops import TritonOps
+    from batchprefill.sampling_params import SamplingParams
 
     folder, _ = family("mistral")
     prompts = [random_prompt(19, seed=5), random_prompt(12, seed=5) + random_prompt(5, seed=6)]

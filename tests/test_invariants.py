@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from batchprefill.engine.block_pool import BlockPool
 from batchprefill.engine.config import EngineConfig
-from batchprefill.engine.request import Request, SamplingParams, Status
+from batchprefill.engine.request import Request, Status
 from batchprefill.engine.scheduler import Scheduler
+from batchprefill.sampling_params import SamplingParams
 
 
 def check_pool(scheduler: Scheduler) -> None:

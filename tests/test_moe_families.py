@@ -14,7 +14,7 @@ import transformers
 
 from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request
 from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.families import read_config
@@ -22,6 +22,7 @@ from batchprefill.model.loader import load_model, resolve_folder
 from batchprefill.model.moe import SparseMoe
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.model.weights import load_weights
+from batchprefill.sampling_params import SamplingParams
 from tests.conftest import REPO
 from tests.test_numerics import prefill_logits
 

@@ -3,8 +3,9 @@
 
 from batchprefill.engine.block_pool import BlockPool
 from batchprefill.engine.config import EngineConfig
-from batchprefill.engine.request import Request, SamplingParams, Status
+from batchprefill.engine.request import Request, Status
 from batchprefill.engine.scheduler import Scheduler
+from batchprefill.sampling_params import SamplingParams
 
 
 def make_scheduler(num_blocks=1024, block_size=16, budget=4096, max_seqs=256, reserve_growth=True) -> Scheduler:

@@ -7,10 +7,11 @@ import re
 import jsonschema
 import pytest
 
-from batchprefill.engine.constraint import Constraint
+from batchprefill.constraint import Constraint
 from batchprefill.engine.grammar import Grammars
-from batchprefill.engine.request import Request, SamplingParams, with_samples
+from batchprefill.engine.request import Request, with_samples
 from batchprefill.engine.structured import StructuredStep
+from batchprefill.sampling_params import SamplingParams
 
 LABEL_SCHEMA = {
     "type": "object",

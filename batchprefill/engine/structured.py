@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from batchprefill.engine.constraint import GrammarError
+from batchprefill.constraint import GrammarError
 from batchprefill.engine.grammar import GrammarBatch, Grammars
 from batchprefill.engine.request import Request
 from batchprefill.engine.scheduler_output import Step

@@ -16,12 +16,12 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
+from batchprefill.constraint import GrammarError
 from batchprefill.engine.config import EngineConfig
-from batchprefill.engine.constraint import GrammarError
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.grammar import Grammars
 from batchprefill.engine.kv_cache import pool_blocks
-from batchprefill.engine.request import Request, SamplingParams, with_samples
+from batchprefill.engine.request import Request, with_samples
 from batchprefill.engine.scoring import score_request
 from batchprefill.engine.structured import StructuredStep
 from batchprefill.errors import JobError
@@ -47,6 +47,7 @@ from batchprefill.pipeline.prepare import Prepared, prepare_job
 from batchprefill.pipeline.request_params import max_output_tokens, may_be_constrained, partition_sampling
 from batchprefill.report.run_figure import write_run_figure
 from batchprefill.report.stats import JobTotals, job_row, print_summary, stats_dir, write_stats
+from batchprefill.sampling_params import SamplingParams
 from batchprefill.settings import DataSettings, JobSettings
 
 SIGTERM_EXIT_STATUS = 143
