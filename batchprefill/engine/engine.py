@@ -24,7 +24,7 @@ from batchprefill.engine.model_runner import ModelRunner
 from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import fork_sampling
 from batchprefill.engine.scheduler import Scheduler
-from batchprefill.engine.scheduler_output import Step
+from batchprefill.engine.scheduler_output import SchedulerOutput
 from batchprefill.engine.scoring import ScoreRows, finish_scored, score_rows
 from batchprefill.model.decoder import DecoderModel
 
@@ -311,7 +311,7 @@ class Engine:
         request.output_text = text
         return True
 
-    def _record(self, step: Step, clock: list[float], finished: list[Request]) -> None:
+    def _record(self, step: SchedulerOutput, clock: list[float], finished: list[Request]) -> None:
         """The step's statistics row; `clock` holds its start and the end of schedule, prepare, forward, sample."""
         counts = self.pool.counts()
         self.counters.prefill_tokens += step.num_prefill_tokens

@@ -15,7 +15,7 @@ import numpy as np
 
 from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import SamplingBatch, request_key
-from batchprefill.engine.scheduler_output import Step
+from batchprefill.engine.scheduler_output import SchedulerOutput
 from batchprefill.intmath import cdiv
 
 
@@ -74,7 +74,7 @@ class InputBatch:
         self.block_table[row, have : len(table)] = table[have:]
         self.num_blocks[row] = len(table)
 
-    def prepare(self, step: Step) -> StepInputs:
+    def prepare(self, step: SchedulerOutput) -> StepInputs:
         """The step's flat batch: one pass over its chunks in Python, the rest vectorized. The pass reads each
         request's lists once (no property calls) and notes its token count for the sampled-row test; on
         benchmarks/host_overhead.py (255 sequences per step, one thread, a loaded machine) prepare went from

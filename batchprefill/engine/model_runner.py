@@ -10,7 +10,7 @@ from batchprefill.engine.input_batch import InputBatch, StepInputs
 from batchprefill.engine.kv_cache import allocate_kv_caches
 from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import SamplingBatch, argmax_for, sample
-from batchprefill.engine.scheduler_output import Step
+from batchprefill.engine.scheduler_output import SchedulerOutput
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.model.decoder import DecoderModel
 
@@ -37,7 +37,7 @@ class ModelRunner:
     def release(self, request: Request) -> None:
         self.batch.release(request)
 
-    def prepare(self, step: Step) -> StepInputs:
+    def prepare(self, step: SchedulerOutput) -> StepInputs:
         return self.batch.prepare(step)
 
     def forward(self, inputs: StepInputs, extra_rows: np.ndarray | None = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from batchprefill.constraint import GrammarError
 from batchprefill.engine.grammar import GrammarBatch, Grammars
 from batchprefill.engine.request import Request
-from batchprefill.engine.scheduler_output import Step
+from batchprefill.engine.scheduler_output import SchedulerOutput
 
 FILL_THREADS = min(8, os.cpu_count() or 1)  # xgrammar's threads for one batch fill (grammar.py measured 2)
 
@@ -44,7 +44,7 @@ class StructuredStep:
             return str(error)
         return None
 
-    def start(self, step: Step, sampled: np.ndarray) -> Future[torch.Tensor | None]:
+    def start(self, step: SchedulerOutput, sampled: np.ndarray) -> Future[torch.Tensor | None]:
         """Begin filling the masks of the step's sampled chunks (`sampled`: their indices, in logits order)."""
         rows = []
         for index in sampled.tolist():
