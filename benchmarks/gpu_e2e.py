@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from batchprefill.engine.config import EngineConfig
-from batchprefill.engine.engine import Engine, StepRecord
+from batchprefill.engine.engine import Engine, StepStats
 from batchprefill.engine.request import Request
 from batchprefill.kernels.triton.ops import TritonOps
 from batchprefill.model.config import ModelConfig
@@ -169,7 +169,7 @@ class _Replay:
     replay: object
 
 
-def _host_wait(steps: list[StepRecord], gpu_ms: dict[int, float], probed_steps: int) -> dict:
+def _host_wait(steps: list[StepStats], gpu_ms: dict[int, float], probed_steps: int) -> dict:
     """Per step, the share of its wall time the GPU spent waiting on the host, from a timed run's wall
     times and a probed run's GPU times (the same schedule: the workload and sampling are deterministic)."""
     if len(steps) != probed_steps:

@@ -18,7 +18,7 @@ import torch
 
 from batchprefill.engine.block_pool import BlockPool
 from batchprefill.engine.config import EngineConfig
-from batchprefill.engine.input_batch import StepInputs
+from batchprefill.engine.input_batch import ForwardInputs
 from batchprefill.engine.logprobs import append_logprobs, top_logprobs
 from batchprefill.engine.model_runner import ModelRunner
 from batchprefill.engine.request import Request
@@ -29,11 +29,11 @@ from batchprefill.engine.scoring import ScoreRows, finish_scored, score_rows
 from batchprefill.model.decoder import DecoderModel
 
 if TYPE_CHECKING:  # xgrammar loads only for jobs that can be constrained
-    from batchprefill.engine.structured import StructuredStep
+    from batchprefill.engine.structured import StructuredOutputs
 
 
 @dataclass
-class StepRecord:
+class StepStats:
     step: int
     num_decode_tokens: int
     num_prefill_tokens: int
@@ -63,13 +63,13 @@ class EngineCounters:
     decode_tokens: int = 0
     finished_prompt_tokens: int = 0
     finished_cached_tokens: int = 0
-    steps: list[StepRecord] = field(default_factory=list)
+    steps: list[StepStats] = field(default_factory=list)
 
 
 class Engine:
     def __init__(self, model: DecoderModel, config: EngineConfig, detokenize: Callable[[list[int]], str],
                  model_scope: tuple, kv_dtype: torch.dtype, device: torch.device,
-                 structured: StructuredStep | None = None):
+                 structured: StructuredOutputs | None = None):
         """`model_scope`: everything about the model that changes KV for the same tokens (the cache's scope).
         `structured`: the grammar step, for an engine whose requests may be constrained; None costs nothing."""
         self.config = config
@@ -201,7 +201,7 @@ class Engine:
                 self._done(request)
                 finished.append(request)
 
-    def _greedy_only(self, inputs: StepInputs, sampled: list[Request], scored: ScoreRows | None) -> bool:
+    def _greedy_only(self, inputs: ForwardInputs, sampled: list[Request], scored: ScoreRows | None) -> bool:
         """Whether all this step needs of its logits is each sampled row's greedy token: then the runner may pick
         them without making the logits (on the CPU, 256 rows x 49,152 float32 are 50 MB written and read back;
         see LMHead). Decided once per step, from flags the engine already keeps: not when a row draws
@@ -320,7 +320,7 @@ class Engine:
         self.counters.finished_cached_tokens += sum(r.num_cached_tokens or 0 for r in finished)
         now = time.perf_counter()
         schedule, prepare, forward, sample = (1e3 * (b - a) for a, b in zip(clock, clock[1:]))
-        self.counters.steps.append(StepRecord(
+        self.counters.steps.append(StepStats(
             step=len(self.counters.steps), num_decode_tokens=step.num_decode_tokens,
             num_prefill_tokens=step.num_prefill_tokens, num_seqs=len(step.chunks),
             active_blocks=counts.active, reclaimable_blocks=counts.reclaimable, free_blocks=counts.free,

@@ -29,7 +29,9 @@ from batchprefill.engine.scheduler_output import SchedulerOutput
 FILL_THREADS = min(8, os.cpu_count() or 1)  # xgrammar's threads for one batch fill (grammar.py measured 2)
 
 
-class StructuredStep:
+class StructuredOutputs:
+    """An engine's structured outputs: a grammar matcher per constrained batch row, and each step's masks."""
+
     def __init__(self, grammars: Grammars, max_rows: int, threads: int = FILL_THREADS):
         self.grammars = grammars
         self.batch = GrammarBatch(grammars, max_rows, threads)

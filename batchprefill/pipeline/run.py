@@ -23,7 +23,7 @@ from batchprefill.engine.grammar import Grammars
 from batchprefill.engine.kv_cache import pool_blocks
 from batchprefill.engine.request import Request, with_samples
 from batchprefill.engine.scoring import score_request
-from batchprefill.engine.structured import StructuredStep
+from batchprefill.engine.structured import StructuredOutputs
 from batchprefill.errors import JobError
 from batchprefill.io.dataset import read_parquet
 from batchprefill.io.openai_results import write_results_jsonl
@@ -168,7 +168,7 @@ class JobModel:
     graph_safe_decode: bool
 
 
-def structured_step(job: JobSettings, prepared: Prepared) -> StructuredStep:
+def structured_step(job: JobSettings, prepared: Prepared) -> StructuredOutputs:
     """The grammar machinery, built only for a job whose rows can be constrained; the job-wide constraint is
     compiled here, before the model loads, so a schema that cannot compile fails the job in seconds."""
     config = prepared.model_config
@@ -179,11 +179,11 @@ def structured_step(job: JobSettings, prepared: Prepared) -> StructuredStep:
             grammars.compile(constraint)
         except GrammarError as error:
             raise JobError(f"sampling.{constraint.kind}: {error}; fix the constraint") from None
-    return StructuredStep(grammars, job.engine.max_num_seqs)
+    return StructuredOutputs(grammars, job.engine.max_num_seqs)
 
 
 def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int,
-                 structured: StructuredStep | None = None) -> Engine:
+                 structured: StructuredOutputs | None = None) -> Engine:
     """Load the model on the chosen device and backend, size the KV pool, and build the engine around them."""
     model = load_job_model(job, prepared.folder, prepared.model_config, prepared.identity)
     return engine_on(job, model, prepared.tokenizer, tokens_needed, structured)
@@ -203,7 +203,7 @@ def load_job_model(job: JobSettings, folder: Path, model_config: ModelConfig, id
 
 
 def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tokens_needed: int,
-              structured: StructuredStep | None = None) -> Engine:
+              structured: StructuredOutputs | None = None) -> Engine:
     """An engine on a loaded model with a KV pool sized for `tokens_needed` (batchprefill-eval builds one per
     batch of lm-eval requests, on one model)."""
     settings, model_config = job.engine, model.config
