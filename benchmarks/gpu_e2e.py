@@ -26,6 +26,7 @@ from batchprefill.kernels.triton.ops import TritonOps
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.sampling_params import SamplingParams
+from batchprefill.settings import EngineSettings
 
 
 @dataclass(frozen=True)
@@ -101,9 +102,10 @@ def prompts(w: Workload) -> list[list[int]]:
 
 def _engine(model: DecoderModel, w: Workload, rows: list[list[int]], caching: bool, dtype: torch.dtype,
             device: torch.device) -> Engine:
-    config = EngineConfig(block_size=16, max_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs,
-                          num_blocks=sum(len(r) + w.max_tokens for r in rows) // 16 + w.max_num_seqs,
-                          prefix_caching=caching, padded_decode="graphs" if device.type == "cuda" else "eager")
+    settings = EngineSettings(block_size=16, max_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs,
+                              prefix_caching=caching)
+    config = EngineConfig(settings, num_blocks=sum(len(r) + w.max_tokens for r in rows) // 16 + w.max_num_seqs,
+                          padded_decode="graphs" if device.type == "cuda" else "eager")
     return Engine(model, config, lambda ids: "", ("random", str(dtype)), dtype, device)
 
 

@@ -71,15 +71,17 @@ class Engine:
                  model_scope: tuple, kv_dtype: torch.dtype, device: torch.device,
                  structured: StructuredOutputs | None = None):
         """`model_scope`: everything about the model that changes KV for the same tokens (the cache's scope).
-        `structured`: the grammar step, for an engine whose requests may be constrained; None costs nothing."""
+        `structured`: structured outputs, for an engine whose requests may be constrained; None costs nothing."""
+        settings = config.settings
         self.config = config
         self.detokenize = detokenize
         self.eos = set(model.config.eos_token_ids)
         self.max_positions = model.config.max_positions
+        self.capacity = config.num_blocks * settings.block_size  # KV slots: what no request may exceed
         self.pool = BlockPool(config.num_blocks)
-        self.scheduler = Scheduler(self.pool, config, model_scope)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, kv_dtype, device,
-                                  config.padded_decode, config.max_num_seqs)
+        self.scheduler = Scheduler(self.pool, settings, model_scope)
+        self.runner = ModelRunner(model, config.num_blocks, settings.block_size, kv_dtype, device,
+                                  config.padded_decode, settings.max_num_seqs)
         self.counters = EngineCounters()
         self.rejected: list[Request] = []  # requests that can never fit the pool, returned by the next step
         self.structured = structured
@@ -89,14 +91,13 @@ class Engine:
         self.logprobs = False
 
     def add(self, request: Request) -> None:
-        capacity = self.config.num_blocks * self.config.block_size
         need = max(r.num_prompt_tokens + r.sampling.max_tokens for r in (request, *request.forks))
         self.forking |= bool(request.forks)
         self.scoring |= request.score is not None
         self.logprobs |= request.sampling.logprobs is not None  # 0: the sampled token's alone
-        if need > capacity:
+        if need > self.capacity:
             request.error = (f"needs up to {need} KV slots (prompt + sampling.max_tokens, or context + choice) "
-                             f"but the pool holds {capacity}; raise engine.kv_cache_tokens")
+                             f"but the pool holds {self.capacity}; raise engine.kv_cache_tokens")
             self._reject_with_samples(request)
             return
         if request.sampling.constraint is not None:
@@ -255,7 +256,7 @@ class Engine:
 
     def generate(self, requests: Iterable[Request], lookahead: int | None = None) -> Iterator[Request]:
         """Feed requests in their given order, keeping only `lookahead` waiting, and yield them as they finish."""
-        lookahead = lookahead or 2 * self.config.max_num_seqs
+        lookahead = lookahead or 2 * self.config.settings.max_num_seqs
         pending = iter(requests)
         exhausted = False
         while True:

@@ -18,24 +18,24 @@ from __future__ import annotations
 from collections import deque
 
 from batchprefill.engine.block_pool import BlockPool
-from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.prefix_cache import PrefixCache
 from batchprefill.engine.request import Request, Status
 from batchprefill.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from batchprefill.intmath import cdiv
+from batchprefill.settings import EngineSettings
 
 
 class Scheduler:
-    """Built from the engine config and the model's cache scope; the policies it was built with are fixed."""
+    """Built from the engine settings and the model's cache scope; the policies it was built with are fixed."""
 
-    def __init__(self, pool: BlockPool, config: EngineConfig, model_scope: tuple):
+    def __init__(self, pool: BlockPool, settings: EngineSettings, model_scope: tuple):
         self.pool = pool
-        self.block_size = config.block_size
-        self.max_batched_tokens = config.max_batched_tokens
-        self.max_num_seqs = config.max_num_seqs
-        self.reserve_growth = config.reserve_output_blocks
-        self.prefix_cache = PrefixCache(pool, config.block_size, (*model_scope, config.cache_namespace),
-                                        config.prefix_caching)
+        self.block_size = settings.block_size
+        self.max_batched_tokens = settings.max_batched_tokens
+        self.max_num_seqs = settings.max_num_seqs
+        self.reserve_growth = settings.reserve_output_blocks
+        self.prefix_cache = PrefixCache(pool, settings.block_size, (*model_scope, settings.cache_namespace),
+                                        settings.prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.preemptions = 0

@@ -211,12 +211,7 @@ def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tok
     graphs = settings.cuda_graphs and device.type == "cuda" and model.graph_safe_decode
     num_blocks = pool_blocks(model_config, kv_dtype, device, settings.block_size, settings.max_num_seqs,
                              settings.kv_cache_tokens, tokens_needed)
-    config = EngineConfig(
-        block_size=settings.block_size, max_batched_tokens=settings.max_batched_tokens,
-        max_num_seqs=settings.max_num_seqs, num_blocks=num_blocks, prefix_caching=settings.prefix_caching,
-        cache_namespace=settings.cache_namespace, reserve_output_blocks=settings.reserve_output_blocks,
-        padded_decode="graphs" if graphs else "off",
-    )
+    config = EngineConfig(settings, num_blocks, padded_decode="graphs" if graphs else "off")
     scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
              model_config.layer_windows, settings.block_size, job.model.adapter)
     return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured)
