@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from batchprefill.engine.config import EngineConfig
-from batchprefill.engine.engine import Engine, StepStats
+from batchprefill.engine.counters import StepStats
+from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request
 from batchprefill.kernels.triton.ops import TritonOps
 from batchprefill.model.config import ModelConfig

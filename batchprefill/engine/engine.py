@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 
 from batchprefill.engine.block_pool import BlockPool
 from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.counters import EngineCounters, StepStats
 from batchprefill.engine.input_batch import ForwardInputs
 from batchprefill.engine.logprobs import append_logprobs, top_logprobs
 from batchprefill.engine.model_runner import ModelRunner
@@ -30,40 +30,6 @@ from batchprefill.model.decoder import DecoderModel
 
 if TYPE_CHECKING:  # xgrammar loads only for jobs that can be constrained
     from batchprefill.engine.structured import StructuredOutputs
-
-
-@dataclass
-class StepStats:
-    step: int
-    num_decode_tokens: int
-    num_prefill_tokens: int
-    num_seqs: int
-    active_blocks: int
-    reclaimable_blocks: int
-    free_blocks: int
-    duration_ms: float
-    # Where the step's time went, on the host's clock. On a GPU the forward only launches: its device time
-    # shows up in sample_ms, which waits for the logits.
-    schedule_ms: float
-    prepare_ms: float
-    forward_ms: float
-    sample_ms: float
-    bookkeeping_ms: float  # appending tokens, stop checks, finishing requests, this record
-    # Running totals since the engine started: the run figure draws eviction and preemption marks and the running
-    # cache hit rate (finished cached over finished prompt tokens, which ends at the job's cache_hit_rate) from them.
-    evicted_blocks: int
-    preemptions: int
-    finished_prompt_tokens: int
-    finished_cached_tokens: int
-
-
-@dataclass
-class EngineCounters:
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    finished_prompt_tokens: int = 0
-    finished_cached_tokens: int = 0
-    steps: list[StepStats] = field(default_factory=list)
 
 
 class Engine:

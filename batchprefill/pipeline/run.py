@@ -100,8 +100,8 @@ def run_job(job: JobSettings) -> dict:
               "rerun with the same output.dir to resume", file=sys.stderr)
         sys.exit(SIGTERM_EXIT_STATUS)
     bar.close()
-    stats = job_row(totals, engine, time.perf_counter() - started)
-    write_stats(stats_dir(out, sharding), totals, engine, stats)
+    stats = job_row(totals, engine.counters, engine.config, time.perf_counter() - started)
+    write_stats(stats_dir(out, sharding), totals, engine.counters.steps, stats)
     if job.data.format == "openai_batch" and sharding.num_shards == 1:  # shards: the merge writes it
         write_results_jsonl(results_dir, out / "results.jsonl", job.model.name, prepared.tokenizer.decode_one)
     figure = write_run_figure(stats_dir(out, sharding), "batchprefill") if job.output.plot else None
