@@ -14,11 +14,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from batchprefill.engine.constraint import GrammarError, job_constraint
-from batchprefill.engine.request import SamplingParams
+from batchprefill.constraint import GrammarError, job_constraint
 from batchprefill.errors import JobError
 from batchprefill.io import openai_batch
 from batchprefill.io.columns import Columns
+from batchprefill.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -50,18 +50,21 @@ class ModelSettings:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    device: str
-    attention_backend: str
-    block_size: int
-    max_batched_tokens: int
-    max_num_seqs: int
-    kv_cache_tokens: int | None
-    prefix_caching: bool
-    kv_cache_dtype: str
-    cache_namespace: str
-    reserve_output_blocks: bool
-    num_threads: int | None
-    cuda_graphs: bool
+    """The `engine` keys. The defaults are conf/config.yaml's, for engines built without a job (tests,
+    benchmarks); a job sets every field from its config."""
+
+    device: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    max_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    kv_cache_tokens: int | None = None
+    prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    cache_namespace: str = "default"
+    reserve_output_blocks: bool = True  # admit a request only if its prompt and max_tokens outputs fit
+    num_threads: int | None = None
+    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)

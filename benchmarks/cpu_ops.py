@@ -12,12 +12,12 @@
    group, 40 own tokens each), through shared-prefix group attention against each sequence gathering its
    whole context into one padded fused call (what the torch path did before prefix groups).
 4. Decode attention with short and long answers: 81 decodes in 9 groups of 9 (a 400-token prefix each, 40 or
-   450 own tokens), each decode's own blocks read in place by the C++ kernel (`kernels/paged_decode.py`)
+   450 own tokens), each decode's own blocks read in place by the C++ kernel (`kernels/native/paged_decode.py`)
    against gathered into a padded copy before one fused call (the torch path before the kernel). Since session
    5 both are one C++ call per layer (shared prefix and own blocks in one online softmax) against the gathered
    path and its log-sum-exp merge in torch.
 5. RMSNorm with the residual add, and RoPE of queries and keys, at an 80-row decode step: one C++ pass per row
-   (`kernels/native_elementwise.py`) against the torch ops, each call after the caches were flushed by a 64 MB
+   (`kernels/native/elementwise.py`) against the torch ops, each call after the caches were flushed by a 64 MB
    pass, as they are between a step's weight-streaming matmuls.
 
 Times are medians of repeated calls after warm-up; ratios are what carry to other machines.

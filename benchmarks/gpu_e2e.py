@@ -20,11 +20,14 @@ from dataclasses import dataclass, replace
 import torch
 
 from batchprefill.engine.config import EngineConfig
-from batchprefill.engine.engine import Engine, StepRecord
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.counters import StepStats
+from batchprefill.engine.engine import Engine
+from batchprefill.engine.request import Request
 from batchprefill.kernels.triton.ops import TritonOps
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
+from batchprefill.sampling_params import SamplingParams
+from batchprefill.settings import EngineSettings
 
 
 @dataclass(frozen=True)
@@ -100,9 +103,10 @@ def prompts(w: Workload) -> list[list[int]]:
 
 def _engine(model: DecoderModel, w: Workload, rows: list[list[int]], caching: bool, dtype: torch.dtype,
             device: torch.device) -> Engine:
-    config = EngineConfig(block_size=16, max_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs,
-                          num_blocks=sum(len(r) + w.max_tokens for r in rows) // 16 + w.max_num_seqs,
-                          prefix_caching=caching, padded_decode="graphs" if device.type == "cuda" else "eager")
+    settings = EngineSettings(block_size=16, max_batched_tokens=w.budget, max_num_seqs=w.max_num_seqs,
+                              prefix_caching=caching)
+    config = EngineConfig(settings, num_blocks=sum(len(r) + w.max_tokens for r in rows) // 16 + w.max_num_seqs,
+                          padded_decode="graphs" if device.type == "cuda" else "eager")
     return Engine(model, config, lambda ids: "", ("random", str(dtype)), dtype, device)
 
 
@@ -168,7 +172,7 @@ class _Replay:
     replay: object
 
 
-def _host_wait(steps: list[StepRecord], gpu_ms: dict[int, float], probed_steps: int) -> dict:
+def _host_wait(steps: list[StepStats], gpu_ms: dict[int, float], probed_steps: int) -> dict:
     """Per step, the share of its wall time the GPU spent waiting on the host, from a timed run's wall
     times and a probed run's GPU times (the same schedule: the workload and sampling are deterministic)."""
     if len(steps) != probed_steps:

@@ -18,6 +18,7 @@ so both figures come from one run on one machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -84,7 +85,12 @@ def rows() -> list[list[int]]:
 
 def measure() -> dict:
     from batchprefill.engine.engine import Engine, EngineConfig
-    from batchprefill.engine.request import Request, SamplingParams
+    from batchprefill.engine.request import Request
+
+    try:
+        from batchprefill.sampling_params import SamplingParams
+    except ImportError:  # revisions before it was a module of its own
+        from batchprefill.engine.request import SamplingParams
 
     torch.set_num_threads(int(os.environ.get("BP_THREADS", "2")))
     model = tiny_model()
@@ -100,7 +106,13 @@ def measure() -> dict:
     model.forward = timed_forward
     prompts = rows()
     tokens = sum(map(len, prompts)) + len(prompts) * OUTPUT_TOKENS
-    config = EngineConfig(block_size=16, max_batched_tokens=2048, max_num_seqs=256, num_blocks=tokens // 16 + 512)
+    fields = {"block_size": 16, "max_batched_tokens": 2048, "max_num_seqs": 256}
+    if "settings" in {field.name for field in dataclasses.fields(EngineConfig)}:
+        from batchprefill.settings import EngineSettings
+
+        config = EngineConfig(EngineSettings(**fields), num_blocks=tokens // 16 + 512)
+    else:  # revisions before the config held the engine settings
+        config = EngineConfig(**fields, num_blocks=tokens // 16 + 512)
     engine = Engine(model, config, lambda ids: "", ("tiny",), torch.float32, torch.device("cpu"))
     requests = [Request(i, p, SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)) for i, p in enumerate(prompts)]
     try:  # as a job does: the order stage's shared-block counts let neighbours share block keys

@@ -26,11 +26,13 @@ import torch
 from batchprefill import malloc
 from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request
 from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.moe import MoeConfig, SparseMoe
+from batchprefill.sampling_params import SamplingParams
+from batchprefill.settings import EngineSettings
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 8, 512, 8, 4, 8192
 EXPERTS, TOP_K, EXPERT_WIDTH = 8, 2, 768
@@ -85,7 +87,7 @@ def models() -> dict[str, DecoderModel]:
 
 
 def run_once(model: DecoderModel, prompts: list[list[int]], batch: int) -> dict[str, float]:
-    config = EngineConfig(block_size=16, max_batched_tokens=2048, max_num_seqs=batch,
+    config = EngineConfig(EngineSettings(block_size=16, max_batched_tokens=2048, max_num_seqs=batch),
                           num_blocks=len(prompts) * (PROMPT_TOKENS + MAX_TOKENS) // 16 + len(prompts))
     engine = Engine(model, config, lambda ids: "", ("random",), torch.float32, torch.device("cpu"))
     requests = [Request(i, p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for i, p in enumerate(prompts)]

@@ -64,15 +64,16 @@ def run_cli(args: list[str], cwd: Path | None = None, env: dict | None = None, t
 
 @pytest.fixture(scope="session")
 def make_engine(loaded_model, tokenizer):
-    """An engine on the session's model; keyword arguments override EngineConfig fields, `structured_step` gives
-    it a grammar step."""
+    """An engine on the session's model; keyword arguments override `num_blocks`, `padded_decode` and
+    EngineSettings fields, `structured` gives it structured outputs."""
     from batchprefill.engine.config import EngineConfig
     from batchprefill.engine.engine import Engine
+    from batchprefill.settings import EngineSettings
 
-    def build(structured_step=None, **overrides):
-        config = EngineConfig(**{"num_blocks": 512, **overrides})
+    def build(structured=None, num_blocks=512, padded_decode="off", **settings):
+        config = EngineConfig(EngineSettings(**settings), num_blocks, padded_decode)
         return Engine(loaded_model.model, config, tokenizer.decode, (loaded_model.identity, "float32"),
-                      torch.float32, torch.device("cpu"), structured_step)
+                      torch.float32, torch.device("cpu"), structured)
 
     return build
 

@@ -196,8 +196,10 @@ def test_triton_and_the_padded_decode_buffers_give_torch_greedy_tokens_past_a_wi
     replay (run eagerly here), whose decode launches are planned for the longest context, not the window."""
     from batchprefill.engine.config import EngineConfig
     from batchprefill.engine.engine import Engine
-    from batchprefill.engine.request import Request, SamplingParams
+    from batchprefill.engine.request import Request
     from batchprefill.kernels.triton.ops import TritonOps
+    from batchprefill.sampling_params import SamplingParams
+    from batchprefill.settings import EngineSettings
 
     folder, _ = family("mistral")
     prompts = [random_prompt(19, seed=5), random_prompt(12, seed=5) + random_prompt(5, seed=6)]
@@ -205,9 +207,9 @@ def test_triton_and_the_padded_decode_buffers_give_torch_greedy_tokens_past_a_wi
     for name, ops, padded in (("torch", TorchOps(), "off"), ("triton", TritonOps(), "off"),
                               ("padded", TritonOps(), "eager")):
         loaded = load_model(resolve_folder(str(folder)), torch.float32, torch.device("cpu"), ops)
-        engine = Engine(loaded.model, EngineConfig(block_size=4, max_batched_tokens=10, num_blocks=32, max_num_seqs=2,
-                                                   padded_decode=padded), lambda ids: "", ("tiny",), torch.float32,
-                        torch.device("cpu"))
+        config = EngineConfig(EngineSettings(block_size=4, max_batched_tokens=10, max_num_seqs=2), num_blocks=32,
+                              padded_decode=padded)
+        engine = Engine(loaded.model, config, lambda ids: "", ("tiny",), torch.float32, torch.device("cpu"))
         requests = [Request(i, p, SamplingParams(max_tokens=4, ignore_eos=True)) for i, p in enumerate(prompts)]
         outputs[name] = {r.request_id: r.output_token_ids for r in engine.generate(requests)}
         assert sum(r.num_cached_tokens for r in requests) == 12  # the second prompt reuses three blocks

@@ -1,7 +1,8 @@
 """n samples per prompt through fork, on the real model: each forked sample is the sample its seed gives when
 run alone (so the copied partial block holds the parent's KV), and the prompt is computed once."""
 
-from batchprefill.engine.request import Request, SamplingParams, with_samples
+from batchprefill.engine.request import Request, with_samples
+from batchprefill.sampling_params import SamplingParams
 
 PARAMS = dict(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
 

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import torch
 
-from batchprefill.engine.constraint import Constraint, GrammarError, job_constraint
+from batchprefill.constraint import Constraint, GrammarError, job_constraint
 from batchprefill.engine.grammar import GrammarBatch, Grammars
 
 VOCAB, EOS = 49152, 2

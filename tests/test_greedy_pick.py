@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from batchprefill.engine.request import Request, SamplingParams, with_samples
+from batchprefill.engine.request import Request, with_samples
 from batchprefill.kernels.linear import Linear
 from batchprefill.model.lm_head import VOCAB_CHUNK, LMHead
+from batchprefill.sampling_params import SamplingParams
 
 
 def pick(values: list[float], chunk: int = 4) -> int:

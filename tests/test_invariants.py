@@ -7,9 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchprefill.engine.block_pool import BlockPool
-from batchprefill.engine.config import EngineConfig
-from batchprefill.engine.request import Request, SamplingParams, Status
+from batchprefill.engine.request import Request, Status
 from batchprefill.engine.scheduler import Scheduler
+from batchprefill.sampling_params import SamplingParams
+from batchprefill.settings import EngineSettings
 
 
 def check_pool(scheduler: Scheduler) -> None:
@@ -69,10 +70,9 @@ def check_copy(scheduler: Scheduler, parent: Request, copy: tuple[int, int]) -> 
 def test_random_workloads_with_forks_keep_every_invariant_and_finish_every_child_once(w):
     rng = random.Random(w["seed"])
     size = w["block_size"]
-    config = EngineConfig(block_size=size, max_batched_tokens=w["budget"], max_num_seqs=w["max_seqs"],
-                          num_blocks=w["num_blocks"], prefix_caching=w["prefix_caching"],
-                          reserve_output_blocks=w["reserve_growth"])
-    scheduler = Scheduler(BlockPool(w["num_blocks"]), config, ("m",))
+    engine = EngineSettings(block_size=size, max_batched_tokens=w["budget"], max_num_seqs=w["max_seqs"],
+                            prefix_caching=w["prefix_caching"], reserve_output_blocks=w["reserve_growth"])
+    scheduler = Scheduler(BlockPool(w["num_blocks"]), engine, ("m",))
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(0, 4 * size))] for _ in range(3)]
     capacity = w["num_blocks"] * size
     requests, next_id = [], [10_000]
@@ -135,6 +135,6 @@ def test_random_workloads_with_forks_keep_every_invariant_and_finish_every_child
     assert finished == Counter((r.request_id, r.sample_index) for r in requests)
     assert all(len(r.output_token_ids) == r.sampling.max_tokens for r in requests)
     assert scheduler.fork_slots == 0
-    assert not scheduler.in_flight
+    assert not scheduler.prefix_cache.in_flight
     if w["reserve_growth"]:
         assert scheduler.preemptions == 0  # admission held every request's ceiling: nothing was recomputed

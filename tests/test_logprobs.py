@@ -2,7 +2,8 @@
 
 import torch
 
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request
+from batchprefill.sampling_params import SamplingParams
 
 
 def test_logprobs_equal_transformers_log_softmax_at_every_output_position(make_engine, chat_prompts, hf_reference):

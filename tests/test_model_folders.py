@@ -9,12 +9,14 @@ import transformers
 
 from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request
 from batchprefill.errors import JobError
 from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.families import read_config
 from batchprefill.model.loader import load_model, resolve_folder
+from batchprefill.sampling_params import SamplingParams
+from batchprefill.settings import EngineSettings
 from tests.test_numerics import prefill_logits
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -82,8 +84,9 @@ def test_triton_backend_gives_the_torch_backend_greedy_tokens(tmp_path, model_fo
     outputs = {}
     backends = (("torch", TorchOps(), "off"), ("triton", TritonOps(), "off"), ("padded", TritonOps(), "eager"))
     for name, ops, padded in backends:
-        engine = Engine(DecoderModel(config, weights, ops), EngineConfig(block_size=8, max_batched_tokens=24,
-                        num_blocks=64, max_num_seqs=4, padded_decode=padded), lambda ids: "", ("tiny",),
+        engine_config = EngineConfig(EngineSettings(block_size=8, max_batched_tokens=24, max_num_seqs=4),
+                                     num_blocks=64, padded_decode=padded)
+        engine = Engine(DecoderModel(config, weights, ops), engine_config, lambda ids: "", ("tiny",),
                         torch.float32, torch.device("cpu"))
         requests = [Request(i, p, SamplingParams(max_tokens=5, ignore_eos=True)) for i, p in enumerate(prompts)]
         outputs[name] = {r.request_id: r.output_token_ids for r in engine.generate(requests)}

@@ -14,7 +14,7 @@ import transformers
 
 from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request
 from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.families import read_config
@@ -22,6 +22,8 @@ from batchprefill.model.loader import load_model, resolve_folder
 from batchprefill.model.moe import SparseMoe
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.model.weights import load_weights
+from batchprefill.sampling_params import SamplingParams
+from batchprefill.settings import EngineSettings
 from tests.conftest import REPO
 from tests.test_numerics import prefill_logits
 
@@ -96,8 +98,8 @@ def test_moe_greedy_tokens_equal_transformers_generate_on_both_backends(kind, tm
     config = read_config(tmp_path)
     for ops in (TorchOps(), TritonOps()):
         model = DecoderModel(config, load_weights(tmp_path, torch.float32, torch.device("cpu")), ops)
-        engine = Engine(model, EngineConfig(block_size=8, max_batched_tokens=16, num_blocks=32, max_num_seqs=2),
-                        lambda ids: "", ("tiny",), torch.float32, torch.device("cpu"))
+        config = EngineConfig(EngineSettings(block_size=8, max_batched_tokens=16, max_num_seqs=2), num_blocks=32)
+        engine = Engine(model, config, lambda ids: "", ("tiny",), torch.float32, torch.device("cpu"))
         [done] = engine.generate([Request(0, PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))])
         assert done.output_token_ids == expected, type(ops).__name__
 

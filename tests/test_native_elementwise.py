@@ -1,4 +1,4 @@
-"""The C++ RMSNorm, RoPE and KV store (native_elementwise.py) give what the torch ops give, on the layouts the
+"""The C++ RMSNorm, RoPE and KV store (kernels/native/elementwise.py) give what the torch ops give, on the layouts the
 model hands them, and leave what they do not take to torch."""
 
 import pytest

@@ -6,9 +6,10 @@ stated tolerance and greedy tokens are compared over many prompts.
 
 import torch
 
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request
 from batchprefill.intmath import cdiv
 from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.sampling_params import SamplingParams
 
 LOGIT_TOLERANCE = 2e-3  # float32 on the CPU: differences come only from summation order
 

@@ -7,11 +7,12 @@ from dataclasses import replace
 
 import pyarrow as pa
 
-from batchprefill.engine.constraint import Constraint
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.constraint import Constraint
+from batchprefill.engine.request import Request
 from batchprefill.io.columns import ERROR, TOKENS, Columns
 from batchprefill.io.openai_batch import SAMPLING_COLUMNS
 from batchprefill.pipeline.request_params import max_output_tokens, may_be_constrained, partition_sampling
+from batchprefill.sampling_params import SamplingParams
 
 COLUMNS = Columns(prompt="prompt", id="id", system=None, namespace=None, schema="schema",
                   sampling=tuple(field.name for field in SAMPLING_COLUMNS))

@@ -3,8 +3,9 @@
 import numpy as np
 import torch
 
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import SamplingBatch, draw, request_key, sample, uniforms
+from batchprefill.sampling_params import SamplingParams
 
 
 def run(engine, prompts, **params):

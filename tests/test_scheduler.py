@@ -2,15 +2,16 @@
 (no model): a 2,500-token shared prefix, a token changed at index 5, a 2,048-token prompt under a 512 budget."""
 
 from batchprefill.engine.block_pool import BlockPool
-from batchprefill.engine.config import EngineConfig
-from batchprefill.engine.request import Request, SamplingParams, Status
+from batchprefill.engine.request import Request, Status
 from batchprefill.engine.scheduler import Scheduler
+from batchprefill.sampling_params import SamplingParams
+from batchprefill.settings import EngineSettings
 
 
 def make_scheduler(num_blocks=1024, block_size=16, budget=4096, max_seqs=256, reserve_growth=True) -> Scheduler:
-    config = EngineConfig(block_size=block_size, max_batched_tokens=budget, max_num_seqs=max_seqs,
-                          num_blocks=num_blocks, reserve_output_blocks=reserve_growth)
-    return Scheduler(BlockPool(num_blocks), config, ("model", "float32"))
+    settings = EngineSettings(block_size=block_size, max_batched_tokens=budget, max_num_seqs=max_seqs,
+                              reserve_output_blocks=reserve_growth)
+    return Scheduler(BlockPool(num_blocks), settings, ("model", "float32"))
 
 
 def run_to_completion(scheduler: Scheduler, request: Request) -> None:

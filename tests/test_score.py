@@ -3,8 +3,9 @@ computed once (prefix cache across rows, fork across choices) and never again pe
 
 import torch
 
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request
 from batchprefill.engine.scoring import score_request
+from batchprefill.sampling_params import SamplingParams
 
 TOLERANCE = 2e-3  # float32 on the CPU
 HEADER = "The following are questions about the world, with answers.\n\n"

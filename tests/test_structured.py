@@ -7,10 +7,11 @@ import re
 import jsonschema
 import pytest
 
-from batchprefill.engine.constraint import Constraint
+from batchprefill.constraint import Constraint
 from batchprefill.engine.grammar import Grammars
-from batchprefill.engine.request import Request, SamplingParams, with_samples
-from batchprefill.engine.structured import StructuredStep
+from batchprefill.engine.request import Request, with_samples
+from batchprefill.engine.structured import StructuredOutputs
+from batchprefill.sampling_params import SamplingParams
 
 LABEL_SCHEMA = {
     "type": "object",
@@ -28,7 +29,7 @@ def grammars(tokenizer, loaded_model) -> Grammars:
 
 def generate(make_engine, grammars, prompts, constraints, **params) -> list[Request]:
     """One engine run, request i under constraints[i] (None: free), all in the same steps."""
-    engine = make_engine(structured_step=StructuredStep(grammars, 256, threads=2))
+    engine = make_engine(structured=StructuredOutputs(grammars, 256, threads=2))
     requests = [Request(i, list(p), SamplingParams(constraint=c, **params))
                 for i, (p, c) in enumerate(zip(prompts, constraints))]
     done = {r.request_id: r for r in engine.generate(requests)}
@@ -85,7 +86,7 @@ def test_constrained_samples_report_the_raw_distribution_of_their_first_token_li
     # forked samples 1 and 2 included (they draw from the masked row, but report the raw one)
     free = make_engine().generate([Request(0, list(chat_prompts[0]), SamplingParams(max_tokens=1, logprobs=5))])
     (reference,) = [r.output_top_logprobs[0] for r in free]
-    engine = make_engine(structured_step=StructuredStep(grammars, 256, threads=2))
+    engine = make_engine(structured=StructuredOutputs(grammars, 256, threads=2))
     params = SamplingParams(max_tokens=3, logprobs=5, n=3, temperature=1.0, seed=3,
                             constraint=Constraint.choice(["yes", "no"]))
     samples = list(engine.generate([with_samples(Request(0, list(chat_prompts[0]), params))]))

@@ -1,4 +1,5 @@
-"""A fixed pool of KV blocks in three disjoint buckets, and the prefix cache that maps keys to blocks.
+"""A fixed pool of KV blocks in three disjoint buckets, and the prefix cache that maps keys to blocks (the keys
+are `prefix_cache.py`'s).
 
 - active: reference count > 0, in some request's block table;
 - reclaimable: reference count 0 but holding a cached prefix, kept in LRU order for reuse or eviction;
@@ -9,22 +10,9 @@ Eviction only unlinks a block's key; the memory behind it is never freed.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
-
-
-def scope_key(*parts: object) -> bytes:
-    """The root of every hash chain: everything that changes KV for the same tokens."""
-    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
-
-
-def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """A full block's key: its parent's key and its own tokens, so a changed token changes every later key."""
-    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
 class PoolExhausted(RuntimeError):

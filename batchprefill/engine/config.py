@@ -1,17 +1,17 @@
-"""What the engine is built from: its block pool, step budget and policies, fixed for a job."""
+"""What the engine is built from: the job's engine settings, and what the job derived from its model and device.
+
+One config travels from the settings to the engine: the settings as they were read, never copied field by field.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batchprefill.settings import EngineSettings
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16
-    max_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    num_blocks: int = 1024
-    prefix_caching: bool = True
-    cache_namespace: str = "default"
-    reserve_output_blocks: bool = True  # admit a request only if its prompt and max_tokens outputs fit
+    settings: EngineSettings
+    num_blocks: int  # the KV pool, sized from the model, the device's free memory and what the job needs
     padded_decode: str = "off"  # "graphs" on CUDA: decode-only steps replay captured CUDA graphs

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,68 +17,37 @@ import torch
 
 from batchprefill.engine.block_pool import BlockPool
 from batchprefill.engine.config import EngineConfig
-from batchprefill.engine.input_batch import StepInputs
+from batchprefill.engine.counters import EngineCounters, StepStats
+from batchprefill.engine.input_batch import ForwardInputs
 from batchprefill.engine.logprobs import append_logprobs, top_logprobs
 from batchprefill.engine.model_runner import ModelRunner
 from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import fork_sampling
 from batchprefill.engine.scheduler import Scheduler
-from batchprefill.engine.scheduler_output import Step
+from batchprefill.engine.scheduler_output import SchedulerOutput
 from batchprefill.engine.scoring import ScoreRows, finish_scored, score_rows
 from batchprefill.model.decoder import DecoderModel
 
 if TYPE_CHECKING:  # xgrammar loads only for jobs that can be constrained
-    from batchprefill.engine.structured import StructuredStep
-
-
-@dataclass
-class StepRecord:
-    step: int
-    num_decode_tokens: int
-    num_prefill_tokens: int
-    num_seqs: int
-    active_blocks: int
-    reclaimable_blocks: int
-    free_blocks: int
-    duration_ms: float
-    # Where the step's time went, on the host's clock. On a GPU the forward only launches: its device time
-    # shows up in sample_ms, which waits for the logits.
-    schedule_ms: float
-    prepare_ms: float
-    forward_ms: float
-    sample_ms: float
-    bookkeeping_ms: float  # appending tokens, stop checks, finishing requests, this record
-    # Running totals since the engine started: the run figure draws eviction and preemption marks and the running
-    # cache hit rate (finished cached over finished prompt tokens, which ends at the job's cache_hit_rate) from them.
-    evicted_blocks: int
-    preemptions: int
-    finished_prompt_tokens: int
-    finished_cached_tokens: int
-
-
-@dataclass
-class EngineCounters:
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    finished_prompt_tokens: int = 0
-    finished_cached_tokens: int = 0
-    steps: list[StepRecord] = field(default_factory=list)
+    from batchprefill.engine.structured import StructuredOutputs
 
 
 class Engine:
     def __init__(self, model: DecoderModel, config: EngineConfig, detokenize: Callable[[list[int]], str],
                  model_scope: tuple, kv_dtype: torch.dtype, device: torch.device,
-                 structured: StructuredStep | None = None):
+                 structured: StructuredOutputs | None = None):
         """`model_scope`: everything about the model that changes KV for the same tokens (the cache's scope).
-        `structured`: the grammar step, for an engine whose requests may be constrained; None costs nothing."""
+        `structured`: structured outputs, for an engine whose requests may be constrained; None costs nothing."""
+        settings = config.settings
         self.config = config
         self.detokenize = detokenize
         self.eos = set(model.config.eos_token_ids)
         self.max_positions = model.config.max_positions
+        self.capacity = config.num_blocks * settings.block_size  # KV slots: what no request may exceed
         self.pool = BlockPool(config.num_blocks)
-        self.scheduler = Scheduler(self.pool, config, model_scope)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size, kv_dtype, device,
-                                  config.padded_decode, config.max_num_seqs)
+        self.scheduler = Scheduler(self.pool, settings, model_scope)
+        self.runner = ModelRunner(model, config.num_blocks, settings.block_size, kv_dtype, device,
+                                  config.padded_decode, settings.max_num_seqs)
         self.counters = EngineCounters()
         self.rejected: list[Request] = []  # requests that can never fit the pool, returned by the next step
         self.structured = structured
@@ -89,14 +57,13 @@ class Engine:
         self.logprobs = False
 
     def add(self, request: Request) -> None:
-        capacity = self.config.num_blocks * self.config.block_size
         need = max(r.num_prompt_tokens + r.sampling.max_tokens for r in (request, *request.forks))
         self.forking |= bool(request.forks)
         self.scoring |= request.score is not None
         self.logprobs |= request.sampling.logprobs is not None  # 0: the sampled token's alone
-        if need > capacity:
+        if need > self.capacity:
             request.error = (f"needs up to {need} KV slots (prompt + sampling.max_tokens, or context + choice) "
-                             f"but the pool holds {capacity}; raise engine.kv_cache_tokens")
+                             f"but the pool holds {self.capacity}; raise engine.kv_cache_tokens")
             self._reject_with_samples(request)
             return
         if request.sampling.constraint is not None:
@@ -201,7 +168,7 @@ class Engine:
                 self._done(request)
                 finished.append(request)
 
-    def _greedy_only(self, inputs: StepInputs, sampled: list[Request], scored: ScoreRows | None) -> bool:
+    def _greedy_only(self, inputs: ForwardInputs, sampled: list[Request], scored: ScoreRows | None) -> bool:
         """Whether all this step needs of its logits is each sampled row's greedy token: then the runner may pick
         them without making the logits (on the CPU, 256 rows x 49,152 float32 are 50 MB written and read back;
         see LMHead). Decided once per step, from flags the engine already keeps: not when a row draws
@@ -255,7 +222,7 @@ class Engine:
 
     def generate(self, requests: Iterable[Request], lookahead: int | None = None) -> Iterator[Request]:
         """Feed requests in their given order, keeping only `lookahead` waiting, and yield them as they finish."""
-        lookahead = lookahead or 2 * self.config.max_num_seqs
+        lookahead = lookahead or 2 * self.config.settings.max_num_seqs
         pending = iter(requests)
         exhausted = False
         while True:
@@ -311,7 +278,7 @@ class Engine:
         request.output_text = text
         return True
 
-    def _record(self, step: Step, clock: list[float], finished: list[Request]) -> None:
+    def _record(self, step: SchedulerOutput, clock: list[float], finished: list[Request]) -> None:
         """The step's statistics row; `clock` holds its start and the end of schedule, prepare, forward, sample."""
         counts = self.pool.counts()
         self.counters.prefill_tokens += step.num_prefill_tokens
@@ -320,7 +287,7 @@ class Engine:
         self.counters.finished_cached_tokens += sum(r.num_cached_tokens or 0 for r in finished)
         now = time.perf_counter()
         schedule, prepare, forward, sample = (1e3 * (b - a) for a, b in zip(clock, clock[1:]))
-        self.counters.steps.append(StepRecord(
+        self.counters.steps.append(StepStats(
             step=len(self.counters.steps), num_decode_tokens=step.num_decode_tokens,
             num_prefill_tokens=step.num_prefill_tokens, num_seqs=len(step.chunks),
             active_blocks=counts.active, reclaimable_blocks=counts.reclaimable, free_blocks=counts.free,

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import xgrammar
 
-from batchprefill.engine.constraint import KINDS, Constraint, GrammarError
+from batchprefill.constraint import KINDS, Constraint, GrammarError
 from batchprefill.model.tokenizer import PromptTokenizer
 
 # xgrammar prefixes its errors with a timestamp and its C++ source line: "[19:54:38] /project/cpp/x.cc:94: "

@@ -15,12 +15,12 @@ import numpy as np
 
 from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import SamplingBatch, request_key
-from batchprefill.engine.scheduler_output import Step
+from batchprefill.engine.scheduler_output import SchedulerOutput
 from batchprefill.intmath import cdiv
 
 
 @dataclass
-class StepInputs:
+class ForwardInputs:
     """One step's flat batch on the host, ready to go to the device."""
 
     input_ids: np.ndarray  # [T] int64
@@ -74,7 +74,7 @@ class InputBatch:
         self.block_table[row, have : len(table)] = table[have:]
         self.num_blocks[row] = len(table)
 
-    def prepare(self, step: Step) -> StepInputs:
+    def prepare(self, step: SchedulerOutput) -> ForwardInputs:
         """The step's flat batch: one pass over its chunks in Python, the rest vectorized. The pass reads each
         request's lists once (no property calls) and notes its token count for the sampled-row test; on
         benchmarks/host_overhead.py (255 sequences per step, one thread, a loaded machine) prepare went from
@@ -118,7 +118,7 @@ class InputBatch:
         sampling = SamplingBatch(self.temperature[sampled_rows], self.top_k[sampled_rows], self.top_p[sampled_rows],
                                  self.keys[sampled_rows], self.num_outputs[sampled_rows])
         self.num_outputs[sampled_rows] += 1
-        return StepInputs(
+        return ForwardInputs(
             input_ids=np.array(ids, dtype=np.int64), positions=positions, slot_mapping=slots,
             query_start=query_start.astype(np.int32), seq_lens=seq_lens.astype(np.int32),
             block_tables=self.block_table[rows_a, :width], logits_rows=query_start[1:][sampled] - 1,

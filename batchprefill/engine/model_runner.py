@@ -6,11 +6,11 @@ import numpy as np
 import torch
 
 from batchprefill.engine.decode_graphs import PaddedDecode
-from batchprefill.engine.input_batch import InputBatch, StepInputs
+from batchprefill.engine.input_batch import ForwardInputs, InputBatch
 from batchprefill.engine.kv_cache import allocate_kv_caches
 from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import SamplingBatch, argmax_for, sample
-from batchprefill.engine.scheduler_output import Step
+from batchprefill.engine.scheduler_output import SchedulerOutput
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.model.decoder import DecoderModel
 
@@ -37,10 +37,10 @@ class ModelRunner:
     def release(self, request: Request) -> None:
         self.batch.release(request)
 
-    def prepare(self, step: Step) -> StepInputs:
+    def prepare(self, step: SchedulerOutput) -> ForwardInputs:
         return self.batch.prepare(step)
 
-    def forward(self, inputs: StepInputs, extra_rows: np.ndarray | None = None) -> torch.Tensor:
+    def forward(self, inputs: ForwardInputs, extra_rows: np.ndarray | None = None) -> torch.Tensor:
         """Logits `[R + E, vocab]` for the step's sampled rows, then for `extra_rows` of the flat batch (the rows
         that score choices)."""
         rows = inputs.logits_rows if extra_rows is None else np.concatenate([inputs.logits_rows, extra_rows])
@@ -50,7 +50,7 @@ class ModelRunner:
                                     inputs.block_tables)
         return self._run(inputs, rows, greedy=False)
 
-    def greedy_tokens(self, inputs: StepInputs) -> np.ndarray:
+    def greedy_tokens(self, inputs: ForwardInputs) -> np.ndarray:
         """The greedy token of every sampled row `[R]`, for a step where that is all anything reads of the logits
         (the engine decides). With `fused_greedy` the model picks them vocabulary chunk by chunk and the logits
         never exist; otherwise they are `sample` of the logits, as for any other step. Either way they equal
@@ -59,7 +59,7 @@ class ModelRunner:
             return self.sample(self.forward(inputs), inputs.sampling)
         return self._run(inputs, inputs.logits_rows, greedy=True).numpy()
 
-    def _run(self, inputs: StepInputs, rows: np.ndarray, greedy: bool) -> torch.Tensor:
+    def _run(self, inputs: ForwardInputs, rows: np.ndarray, greedy: bool) -> torch.Tensor:
         ids, positions, slots, query_start, seq_lens, tables, rows = self._to_device(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start, inputs.seq_lens,
             inputs.block_tables, rows)

@@ -3,8 +3,9 @@
 Each step: every running decode takes one token of `max_batched_tokens` first; what remains goes to
 prefill chunks, first of requests already part-way through their prompt, then of waiting ones. A
 waiting request whose next uncached block is being computed by another request right now is held
-back until that block is cached, so a prefix shared by a whole group is computed once. When the pool
-cannot hold a step's KV, the newest running request is preempted and recomputed later.
+back until that block is cached, so a prefix shared by a whole group is computed once (the block keys
+that tell are `prefix_cache.py`'s). When the pool cannot hold a step's KV, the newest running request
+is preempted and recomputed later.
 
 A request may carry children to fork once its prompt is computed (n samples, the choices of a score): each
 child shares the parent's full blocks and gets a copy of its partial one, so the prompt is computed once. A
@@ -16,31 +17,27 @@ from __future__ import annotations
 
 from collections import deque
 
-from batchprefill.engine.block_pool import BlockPool, block_key, scope_key
-from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.block_pool import BlockPool
+from batchprefill.engine.prefix_cache import PrefixCache
 from batchprefill.engine.request import Request, Status
-from batchprefill.engine.scheduler_output import ScheduledChunk, Step
+from batchprefill.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from batchprefill.intmath import cdiv
+from batchprefill.settings import EngineSettings
 
 
 class Scheduler:
-    """Built from the engine config and the model's cache scope; the policies it was built with are fixed."""
+    """Built from the engine settings and the model's cache scope; the policies it was built with are fixed."""
 
-    def __init__(self, pool: BlockPool, config: EngineConfig, scope: tuple):
+    def __init__(self, pool: BlockPool, settings: EngineSettings, model_scope: tuple):
         self.pool = pool
-        self.block_size = config.block_size
-        self.max_batched_tokens = config.max_batched_tokens
-        self.max_num_seqs = config.max_num_seqs
-        self.reserve_growth = config.reserve_output_blocks
-        self.scope = (*scope, config.cache_namespace)
-        self.root_keys: dict[str, bytes] = {}  # namespace -> the root of its hash chains
-        # Chosen once here, so the per-step path never asks whether prefix caching is on.
-        self._match = self._cached_prefix if config.prefix_caching else self._no_prefix
-        self._claim_in_flight = self._announce_blocks if config.prefix_caching else self._announce_nothing
-        self._cache_full_blocks = self._register_blocks if config.prefix_caching else self._register_nothing
+        self.block_size = settings.block_size
+        self.max_batched_tokens = settings.max_batched_tokens
+        self.max_num_seqs = settings.max_num_seqs
+        self.reserve_growth = settings.reserve_output_blocks
+        self.prefix_cache = PrefixCache(pool, settings.block_size, (*model_scope, settings.cache_namespace),
+                                        settings.prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
-        self.in_flight: dict[bytes, Request] = {}  # keys of blocks some request is computing right now
         self.preemptions = 0
         self.fork_slots = 0  # sequence slots held for the children of running requests, forked later
         self._preempted: list[Request] = []  # this step's, handed out with it
@@ -57,34 +54,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _keys(self, request: Request, num_blocks: int) -> list[bytes]:
-        """The request's chained block keys, grown to at least its first `num_blocks` full blocks (the list
-        itself, not a copy: callers index the span they need)."""
-        keys, size = request.block_hashes, self.block_size
-        donor = request.prefix_donor
-        if donor is not None:  # the order stage found its leading blocks equal to its neighbour's: no rehashing
-            request.prefix_donor = None
-            if not keys:
-                keys.extend(donor.block_hashes[: request.donor_blocks])
-        parent = keys[-1] if keys else self._root_key(request.namespace)
-        while len(keys) < num_blocks:
-            start = len(keys) * size
-            parent = block_key(parent, request.tokens(start, start + size))
-            keys.append(parent)
-        return keys
-
-    def _root_key(self, namespace: str) -> bytes:
-        """Everything that changes KV for the same tokens: the model's scope, the cache namespace, the tenant."""
-        key = self.root_keys.get(namespace)
-        if key is None:
-            key = self.root_keys[namespace] = scope_key(*self.scope, namespace)
-        return key
-
     def _blocks_needed(self, request: Request, num_tokens: int) -> int:
         return max(0, cdiv(num_tokens, self.block_size) - len(request.block_table))
 
     # ---- one step ------------------------------------------------------------------------------
-    def schedule(self) -> Step:
+    def schedule(self) -> SchedulerOutput:
         budget = self.max_batched_tokens
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
@@ -126,7 +100,7 @@ class Scheduler:
 
         budget = self._admit(budget, chunks)
         preempted, self._preempted = self._preempted, []
-        return Step(chunks, num_decode, self.max_batched_tokens - budget - num_decode, preempted)
+        return SchedulerOutput(chunks, num_decode, self.max_batched_tokens - budget - num_decode, preempted)
 
     def _room_for(self, request: Request) -> int:
         """How many more tokens of this request the pool can hold without preempting anyone."""
@@ -155,9 +129,7 @@ class Scheduler:
         self._preempted.append(request)
 
     def _release(self, request: Request) -> None:
-        for key in request.block_hashes:
-            if self.in_flight.get(key) is request:
-                del self.in_flight[key]
+        self.prefix_cache.release(request)
         self.pool.release(request.block_table)
         self._held_blocks -= len(request.block_table)
         self._final_blocks -= self._final(request)
@@ -186,14 +158,15 @@ class Scheduler:
         recompute. Without it, admission looks at this step only and preemption resolves overcommitment.
         """
         held_back: list[Request] = []
+        cache = self.prefix_cache
         reserved = self._reserved() if self.reserve_growth else 0
         while self.waiting and budget > 0 and len(self.running) + self.fork_slots < self.max_num_seqs:
             request = self.waiting.popleft()
             if self.running and len(self.running) + self.fork_slots + 1 + len(request.forks) > self.max_num_seqs:
                 self.waiting.appendleft(request)  # no slots for its children yet; alone, they wait instead
                 break
-            hits, next_key = self._match(request)
-            if next_key is not None and next_key in self.in_flight:
+            hits, in_flight = cache.match(request)
+            if in_flight:
                 held_back.append(request)  # its prefix is being filled by another request: wait for it
                 continue
             cached = len(hits) * self.block_size
@@ -217,7 +190,7 @@ class Scheduler:
             request.num_computed_tokens = cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = min(cached, request.num_prompt_tokens)
-            self._claim_in_flight(request, len(hits))
+            cache.announce(request, len(hits))
             request.status = Status.RUNNING
             self.running.append(request)
             self.fork_slots += len(request.forks)
@@ -227,59 +200,16 @@ class Scheduler:
         self.waiting.extendleft(reversed(held_back))
         return budget
 
-    def _cached_prefix(self, request: Request) -> tuple[list[int], bytes | None]:
-        """Cached blocks of the request's longest cached prefix, and the key of the first block it must compute.
-
-        At least one token is always left to compute: its logits give the first output token.
-        """
-        matchable = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for key in self._keys(request, matchable)[:matchable]:
-            block = self.pool.lookup(key)
-            if block is None:
-                return hits, key
-            hits.append(block)
-        return hits, None
-
-    @staticmethod
-    def _no_prefix(request: Request) -> tuple[list[int], bytes | None]:
-        return [], None
-
-    def _announce_blocks(self, request: Request, first: int) -> None:
-        """Announce the full prompt blocks this request will compute, so its group waits for them."""
-        full = request.num_tokens // self.block_size
-        for key in self._keys(request, full)[first:full]:
-            if key not in self.in_flight and self.pool.lookup(key) is None:
-                self.in_flight[key] = request
-
-    @staticmethod
-    def _announce_nothing(request: Request, first: int) -> None:
-        pass
-
-    def _register_blocks(self, request: Request, before: int) -> None:
-        """Cache every block from `before` on that the request has now fully computed."""
-        full = request.num_computed_tokens // self.block_size
-        keys = self._keys(request, full)
-        for index in range(before, full):
-            key = keys[index]
-            self.pool.register(request.block_table[index], key)
-            if self.in_flight.get(key) is request:
-                del self.in_flight[key]
-
-    @staticmethod
-    def _register_nothing(request: Request, before: int) -> None:
-        pass
-
     # ---- after the forward pass -----------------------------------------------------------------
-    def commit(self, step: Step) -> None:
+    def commit(self, step: SchedulerOutput) -> None:
         """Advance computed counts and cache every block that is now full."""
-        size = self.block_size
+        size, register = self.block_size, self.prefix_cache.register
         for chunk in step.chunks:
             request = chunk.request
             before = request.num_computed_tokens // size
             request.num_computed_tokens += chunk.num_tokens
             if request.num_computed_tokens // size > before:
-                self._cache_full_blocks(request, before)
+                register(request, before)
 
     def fork(self, parent: Request) -> list[tuple[int, int]]:
         """Start the children of a parent whose prompt is now computed; returns the (parent, child) blocks whose
@@ -306,7 +236,7 @@ class Scheduler:
             child.block_table, copy = self.pool.fork(parent.block_table, computed, self.block_size)
             if copy is not None:
                 copies.append(copy)
-            child.block_hashes = parent.block_hashes[: computed // self.block_size]
+            self.prefix_cache.inherit(child, parent, shared)
             child.num_computed_tokens = computed
             child.num_cached_tokens = min(computed, child.num_prompt_tokens)
             child.status = Status.RUNNING

@@ -14,7 +14,9 @@ class ScheduledChunk:
 
 
 @dataclass
-class Step:
+class SchedulerOutput:
+    """One step's chunks, decodes first, and the requests preempted to make room for them."""
+
     chunks: list[ScheduledChunk]
     num_decode_tokens: int
     num_prefill_tokens: int

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request
 from batchprefill.engine.scheduler_output import ScheduledChunk
+from batchprefill.sampling_params import SamplingParams
 
 SCORE_SAMPLING = SamplingParams(max_tokens=0)  # a scored request samples nothing
 

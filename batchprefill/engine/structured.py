@@ -21,15 +21,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from batchprefill.engine.constraint import GrammarError
+from batchprefill.constraint import GrammarError
 from batchprefill.engine.grammar import GrammarBatch, Grammars
 from batchprefill.engine.request import Request
-from batchprefill.engine.scheduler_output import Step
+from batchprefill.engine.scheduler_output import SchedulerOutput
 
 FILL_THREADS = min(8, os.cpu_count() or 1)  # xgrammar's threads for one batch fill (grammar.py measured 2)
 
 
-class StructuredStep:
+class StructuredOutputs:
+    """An engine's structured outputs: a grammar matcher per constrained batch row, and each step's masks."""
+
     def __init__(self, grammars: Grammars, max_rows: int, threads: int = FILL_THREADS):
         self.grammars = grammars
         self.batch = GrammarBatch(grammars, max_rows, threads)
@@ -44,7 +46,7 @@ class StructuredStep:
             return str(error)
         return None
 
-    def start(self, step: Step, sampled: np.ndarray) -> Future[torch.Tensor | None]:
+    def start(self, step: SchedulerOutput, sampled: np.ndarray) -> Future[torch.Tensor | None]:
         """Begin filling the masks of the step's sampled chunks (`sampled`: their indices, in logits order)."""
         rows = []
         for index in sampled.tolist():

@@ -25,11 +25,12 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from batchprefill.cli.app import CONFIG_DIR
-from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.engine.request import Request
 from batchprefill.engine.scoring import score_request
 from batchprefill.errors import JobError
 from batchprefill.pipeline.build_engine import engine_on, load_job_model
 from batchprefill.pipeline.prepare import open_model
+from batchprefill.sampling_params import SamplingParams
 from batchprefill.settings import JobSettings
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HF backend's default

@@ -1,8 +1,8 @@
 """What every compute backend provides to the model, and the per-step metadata it reads.
 
 Every backend implements the same functions with the same tensor layouts, so the model never knows which
-one runs. The torch backend (`torch_ops.py`) is both the CPU path and the reference the Triton kernels
-(`triton_ops.py`) are tested against.
+one runs. The torch backend (`kernels/torch/ops.py`) is both the CPU path and the reference the Triton
+kernels (`kernels/triton/ops.py`) are tested against; the CPU path's C++ kernels are in `kernels/native/`.
 
 Layouts:
 - flat batch: all query tokens of a step in one dimension `T` (prefill chunks and decodes mixed);

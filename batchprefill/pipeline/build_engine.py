@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from batchprefill.constraint import GrammarError
 from batchprefill.engine.config import EngineConfig
-from batchprefill.engine.constraint import GrammarError
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.grammar import Grammars
 from batchprefill.engine.kv_cache import pool_blocks
-from batchprefill.engine.structured import StructuredStep
+from batchprefill.engine.structured import StructuredOutputs
 from batchprefill.errors import JobError
 from batchprefill.malloc import keep_freed_memory
 from batchprefill.model.config import ModelConfig
@@ -33,7 +33,7 @@ class JobModel:
     graph_safe_decode: bool
 
 
-def structured_step(job: JobSettings, prepared: Prepared) -> StructuredStep:
+def structured_outputs(job: JobSettings, prepared: Prepared) -> StructuredOutputs:
     """The grammar machinery, built only for a job whose rows can be constrained; the job-wide constraint is
     compiled here, before the model loads, so a schema that cannot compile fails the job in seconds."""
     config = prepared.model.config
@@ -44,11 +44,11 @@ def structured_step(job: JobSettings, prepared: Prepared) -> StructuredStep:
             grammars.compile(constraint)
         except GrammarError as error:
             raise JobError(f"sampling.{constraint.kind}: {error}; fix the constraint") from None
-    return StructuredStep(grammars, job.engine.max_num_seqs)
+    return StructuredOutputs(grammars, job.engine.max_num_seqs)
 
 
 def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int,
-                 structured: StructuredStep | None = None) -> Engine:
+                 structured: StructuredOutputs | None = None) -> Engine:
     """Load the model on the chosen device and backend, size the KV pool, and build the engine around them."""
     model = load_job_model(job, prepared.model)
     return engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured)
@@ -68,7 +68,7 @@ def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
 
 
 def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tokens_needed: int,
-              structured: StructuredStep | None = None) -> Engine:
+              structured: StructuredOutputs | None = None) -> Engine:
     """An engine on a loaded model with a KV pool sized for `tokens_needed` (batchprefill-eval builds one per
     batch of lm-eval requests, on one model)."""
     settings, model_config = job.engine, model.config
@@ -76,12 +76,7 @@ def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tok
     graphs = settings.cuda_graphs and device.type == "cuda" and model.graph_safe_decode
     num_blocks = pool_blocks(model_config, kv_dtype, device, settings.block_size, settings.max_num_seqs,
                              settings.kv_cache_tokens, tokens_needed)
-    config = EngineConfig(
-        block_size=settings.block_size, max_batched_tokens=settings.max_batched_tokens,
-        max_num_seqs=settings.max_num_seqs, num_blocks=num_blocks, prefix_caching=settings.prefix_caching,
-        cache_namespace=settings.cache_namespace, reserve_output_blocks=settings.reserve_output_blocks,
-        padded_decode="graphs" if graphs else "off",
-    )
+    config = EngineConfig(settings, num_blocks, padded_decode="graphs" if graphs else "off")
     scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
              model_config.layer_windows, settings.block_size, job.model.adapter)
     return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured)

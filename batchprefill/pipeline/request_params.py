@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchprefill.engine.constraint import Constraint, GrammarError
-from batchprefill.engine.request import SamplingParams
+from batchprefill.constraint import Constraint, GrammarError
 from batchprefill.io.columns import ERROR, TOKENS, Columns
+from batchprefill.sampling_params import SamplingParams
 
 STOP_SEPARATOR = "\x1f"  # joins a row's stop strings into one text, so the list column dictionary-encodes
 PLAIN = ("max_tokens", "temperature", "top_p", "n", "seed")  # columns named as the SamplingParams fields

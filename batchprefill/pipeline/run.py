@@ -17,7 +17,7 @@ from batchprefill.io.atomic import write_records
 from batchprefill.io.columns import ROW
 from batchprefill.io.openai_results import write_results_jsonl
 from batchprefill.io.results import Outcome, ResultWriter, done_ids, result_fields
-from batchprefill.pipeline.build_engine import build_engine, structured_step
+from batchprefill.pipeline.build_engine import build_engine, structured_outputs
 from batchprefill.pipeline.manifest import PARTITION_SCHEMA, partition_path, partition_records, read_partition
 from batchprefill.pipeline.order import assign_shards
 from batchprefill.pipeline.prepare import Prepared, prepare_job
@@ -44,7 +44,7 @@ def run_job(job: JobSettings) -> dict:
     skip = _committed_ids(job, results_dir)
     mine = _shard_partitions(job, prepared)
     output_tokens, constrained = _shard_demand(job, prepared, mine)
-    structured = structured_step(job, prepared) if constrained else None  # before the model: a bad schema fails fast
+    structured = structured_outputs(job, prepared) if constrained else None  # before the model: a bad schema fails fast
     engine = build_engine(job, prepared, _tokens_needed(job, prepared, mine, output_tokens), structured)
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds,
@@ -62,9 +62,9 @@ def run_job(job: JobSettings) -> dict:
               "rerun with the same output.dir to resume", file=sys.stderr)
         sys.exit(SIGTERM_EXIT_STATUS)
     bar.close()
-    stats = job_row(totals, engine, time.perf_counter() - started)
+    stats = job_row(totals, engine.counters, engine.config, time.perf_counter() - started)
     stats_folder = stats_dir(out, sharding)
-    write_stats(stats_folder, totals, engine, stats)
+    write_stats(stats_folder, totals, engine.counters.steps, stats)
     if job.data.format == "openai_batch" and sharding.num_shards == 1:  # shards: the merge writes it
         write_results_jsonl(results_dir, out / "results.jsonl", job.model.name, prepared.model.tokenizer.decode_one)
     figure = write_run_figure(stats_folder, "batchprefill") if job.output.plot else None

@@ -60,7 +60,7 @@ def write_run_figure(stats: Path, command: str) -> Path | None:
 
 
 @dataclass
-class StepBins:
+class BinnedSteps:
     """The steps of a run averaged into bins of `width` consecutive steps (the last bin may be shorter)."""
 
     first_step: np.ndarray  # the first step of each bin, counted across shards
@@ -72,7 +72,7 @@ class StepBins:
     shard_starts: np.ndarray  # first step of each shard after the first
 
 
-def bin_steps(steps: pa.Table, max_points: int = MAX_STEP_POINTS) -> StepBins:
+def bin_steps(steps: pa.Table, max_points: int = MAX_STEP_POINTS) -> BinnedSteps:
     """Average a steps table into at most `max_points` bins; running totals restart per shard in the table and
     are carried across shards here, so the last bin's totals are the whole job's."""
     count = steps.num_rows
@@ -95,7 +95,7 @@ def bin_steps(steps: pa.Table, max_points: int = MAX_STEP_POINTS) -> StepBins:
         growth[shard_starts] = running[shard_starts]  # each shard's totals start from zero
         total[name] = np.cumsum(growth)[np.append(edges[1:], count) - 1]
         happened[name] = np.add.reduceat(growth, edges) > 0
-    return StepBins(edges, width, sizes, mean, total, happened, shard_starts)
+    return BinnedSteps(edges, width, sizes, mean, total, happened, shard_starts)
 
 
 def draw_run(stats: Path, path: Path) -> None:
@@ -124,7 +124,7 @@ def draw_run(stats: Path, path: Path) -> None:
         plt.close(figure)
 
 
-def _step_axis(ax: Axes, bins: StepBins) -> None:
+def _step_axis(ax: Axes, bins: BinnedSteps) -> None:
     """Label the step axis and draw each shard boundary of a merged array."""
     merged = " (shards one after another)" if bins.shard_starts.size else ""
     averaged = f"; each point the mean of {bins.width:,} steps" if bins.width > 1 else ""
@@ -141,7 +141,7 @@ def _no_steps(ax: Axes, title: str) -> None:
     ax.text(0.5, 0.5, "no engine steps in this run", ha="center", va="center", transform=ax.transAxes)
 
 
-def _hit_rate(ax: Axes, bins: StepBins | None, job: dict) -> None:
+def _hit_rate(ax: Axes, bins: BinnedSteps | None, job: dict) -> None:
     prompt = job["prompt_tokens"]
     final = job["cache_hit_rate"]
     ideal = job.get("ideal_cached_tokens")
@@ -165,7 +165,7 @@ def _hit_rate(ax: Axes, bins: StepBins | None, job: dict) -> None:
     _step_axis(ax, bins)
 
 
-def _blocks(ax: Axes, bins: StepBins | None) -> None:
+def _blocks(ax: Axes, bins: BinnedSteps | None) -> None:
     title = "KV blocks (reclaimable: cached, unreferenced); marks: steps that evicted or preempted"
     if bins is None:
         _no_steps(ax, title)
@@ -189,7 +189,7 @@ def _blocks(ax: Axes, bins: StepBins | None) -> None:
     _step_axis(ax, bins)
 
 
-def _budget(ax: Axes, bins: StepBins | None, job: dict) -> None:
+def _budget(ax: Axes, bins: BinnedSteps | None, job: dict) -> None:
     title = "Query tokens per step, decodes first"
     if bins is None:
         _no_steps(ax, title)

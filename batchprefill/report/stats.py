@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from batchprefill.engine.engine import Engine
+from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.counters import EngineCounters, StepStats
 from batchprefill.engine.request import Request
 from batchprefill.io.atomic import write_records
 from batchprefill.pipeline.order import Group
@@ -51,8 +52,8 @@ class JobTotals:
                 "cached_tokens": cached, "computed_prompt_tokens": prompt - cached})
 
 
-def job_row(totals: JobTotals, engine: Engine, wall: float) -> dict:
-    steps = engine.counters.steps
+def job_row(totals: JobTotals, counters: EngineCounters, config: EngineConfig, wall: float) -> dict:
+    steps = counters.steps
     computed = totals.prompt_tokens - totals.cached_tokens
     return {
         "num_requests": totals.num_requests, "num_errors": totals.num_errors,
@@ -61,11 +62,12 @@ def job_row(totals: JobTotals, engine: Engine, wall: float) -> dict:
         "prefill_tokens_per_second": computed / wall if wall else 0.0,
         "output_tokens_per_second": totals.output_tokens / wall if wall else 0.0,
         "cache_hit_rate": totals.cached_tokens / totals.prompt_tokens if totals.prompt_tokens else 0.0,
-        "ideal_cached_tokens": totals.ideal_cached_tokens, "max_batched_tokens": engine.config.max_batched_tokens,
-        "evicted_blocks": engine.pool.evictions, "preemptions": engine.scheduler.preemptions,
+        "ideal_cached_tokens": totals.ideal_cached_tokens,
+        "max_batched_tokens": config.settings.max_batched_tokens,
+        "evicted_blocks": counters.evicted_blocks, "preemptions": counters.preemptions,
         "active_blocks": max((s.active_blocks for s in steps), default=0),
         "reclaimable_blocks": max((s.reclaimable_blocks for s in steps), default=0),
-        "free_blocks": max((s.free_blocks for s in steps), default=engine.pool.num_blocks),
+        "free_blocks": max((s.free_blocks for s in steps), default=config.num_blocks),
     }
 
 
@@ -76,8 +78,8 @@ def stats_dir(out: Path, sharding: Sharding) -> Path:
     return out / "stats" / f"shard-{sharding.shard_index:04d}-of-{sharding.num_shards:04d}"
 
 
-def write_stats(folder: Path, totals: JobTotals, engine: Engine, job: dict) -> None:
+def write_stats(folder: Path, totals: JobTotals, steps: list[StepStats], job: dict) -> None:
     write_records(totals.group_rows, folder / "groups.parquet", GROUP_SCHEMA)
     write_records([job], folder / "job.parquet")
-    write_records([asdict(s) for s in engine.counters.steps], folder / "steps.parquet")
+    write_records([asdict(s) for s in steps], folder / "steps.parquet")
 

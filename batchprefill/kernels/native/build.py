@@ -1,5 +1,5 @@
-"""The CPU path's C++ kernels (`csrc/*.cpp`): each built on first use with the system's C++ compiler and loaded
-with ctypes.
+"""The CPU path's C++ kernels (`kernels/native/csrc/*.cpp`): each built on first use with the system's C++
+compiler and loaded with ctypes.
 
 Why ctypes and not torch's cpp_extension: the sources include no torch header, so each compiles in about a
 second (a torch extension takes about a minute on 2 cores and needs Python's headers and ninja), and nothing

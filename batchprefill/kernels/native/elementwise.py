@@ -1,6 +1,6 @@
 """RMSNorm (residual add folded in), RoPE and the KV store on the CPU, one pass over each row in C++
-(`csrc/elementwise.cpp`, built and loaded by `native.py`); the source says why. Float32 CPU tensors take it;
-anything else runs the torch ops (torch_elementwise.py), which are also its reference."""
+(`kernels/native/csrc/elementwise.cpp`, built and loaded by `build.py`); the source says why. Float32 CPU tensors
+take it; anything else runs the torch ops (`kernels/torch/elementwise.py`), which are also its reference."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A step's decode attention read in place from the paged KV pool, one C++ call per layer (`csrc/paged_decode.cpp`,
-built and loaded by `native.py`).
+"""A step's decode attention read in place from the paged KV pool, one C++ call per layer
+(`kernels/native/csrc/paged_decode.cpp`, built and loaded by `build.py`).
 
 Why in place: on the CPU a decode's own blocks were gathered into a padded copy (`index_select`) before a fused
 call, per layer and step. With long answers that copy is most of the step: at 80 decodes with 450 own tokens

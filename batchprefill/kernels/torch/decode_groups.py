@@ -1,5 +1,5 @@
-"""Decode attention on the CPU where the in-place kernel (paged_decode.py) is not built, and its reference: each
-shared prefix read once per group, and no query scanning another's blocks.
+"""Decode attention on the CPU where the in-place kernel (kernels/native/paged_decode.py) is not built, and its
+reference: each shared prefix read once per group, and no query scanning another's blocks.
 
 A step's decodes are keyed by the deepest prefix blocks they share (`prefix_groups.by_deepest_prefix`).
 Attention then runs as two batched fused calls and a log-sum-exp merge:

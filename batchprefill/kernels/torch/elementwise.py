@@ -1,5 +1,5 @@
 """RMSNorm, RoPE and the KV store as plain torch ops: the reference, and what runs where the C++ ones
-(native_elementwise.py) do not (no compiler, dtypes other than float32, other devices)."""
+(`kernels/native/elementwise.py`) do not (no compiler, dtypes other than float32, other devices)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """`TorchOps`: the `Ops` interface in plain torch, the CPU path and the reference for the kernels.
 
 On the CPU, a step's decodes go through shared-prefix decode attention, one C++ call per layer that reads the pool
-in place (`paged_decode.py`; where it is not built, gathered copies and fused calls, `decode_groups.py`): each
-group's shared blocks read once, then each decode's own. Short chunks go
-through group attention (`prefix_groups.py`): a few fused calls for the whole step. Chunks too long for its
+in place (`kernels/native/paged_decode.py`; where it is not built, gathered copies and fused calls,
+`decode_groups.py`): each group's shared blocks read once, then each decode's own. Short chunks go through group
+attention (`prefix_groups.py`): a few fused calls for the whole step. Chunks too long for its
 dense mask run one fused call each.
 """
 
@@ -64,8 +64,9 @@ class TorchOps:
     graph_safe_decode = False  # its batched decode builds index tensors on the host
 
     def __init__(self, native: bool = True):
-        """`native`: decodes read the pool in place through the C++ kernel where it builds (`paged_decode.py`);
-        otherwise, where it cannot be built, and for KV dtypes it lacks, each decode's blocks are gathered."""
+        """`native`: decodes read the pool in place through the C++ kernel where it builds
+        (`kernels/native/paged_decode.py`); otherwise, where it cannot be built, and for KV dtypes it lacks, each
+        decode's blocks are gathered."""
         self._paged = paged_decode.load() if native else None
         elementwise = native_elementwise.load() if native else None  # per-token ops in one pass per row
         plain = elementwise is None
@@ -75,8 +76,8 @@ class TorchOps:
 
     def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
              ) -> AttentionMetadata:
-        """Group the step's sequences once for all layers: decodes by the prefix they share (paged_decode.py, or
-        decode_groups.py where the kernel is not built or lacks the KV dtype),
+        """Group the step's sequences once for all layers: decodes by the prefix they share
+        (kernels/native/paged_decode.py, or decode_groups.py where the kernel is not built or lacks the KV dtype),
         short chunks into padded group batches (prefix_groups.py), long chunks alone."""
         block, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         lens, tables = meta.query_lens_host, meta.block_tables.tolist()

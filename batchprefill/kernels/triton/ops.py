@@ -24,7 +24,7 @@ ALIGN = 4  # int32 entries: the decode rows start 16 bytes aligned inside the st
 
 
 @dataclass
-class StepPlan:
+class TritonPlan:
     """What every layer of one step launches: prefill tiles for the chunks, decode rows for single tokens."""
 
     tile_map: torch.Tensor | None  # [tiles, 2] int32 (sequence, tile index in it), longest KV first
@@ -120,7 +120,7 @@ class TritonOps:
             staged = self._stage([tiles.ravel(), decodes], [0, offset], offset + len(decodes), device)
             tile_map = staged[: tiles.size].view(-1, 2)
             decode_rows = staged[offset : offset + len(decodes)] if len(decodes) else None
-        return meta.with_plan(StepPlan(tile_map, decode_rows, len(decodes), block_m, num_segments))
+        return meta.with_plan(TritonPlan(tile_map, decode_rows, len(decodes), block_m, num_segments))
 
     def _stage(self, parts: list[np.ndarray], offsets: list[int], size: int, device: torch.device) -> torch.Tensor:
         """Copy int32 `parts` to the device at `offsets` of one persistent buffer, in one non-blocking copy.

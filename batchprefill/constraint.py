@@ -1,7 +1,7 @@
 """What a request's output must match: a JSON Schema, any JSON object, a regex or a choice list, as plain data.
 
-The engine's data (`SamplingParams`) carries a `Constraint`; only `engine/grammar.py` turns one into an xgrammar
-matcher, so reading settings and partitions never imports the grammar engine.
+`SamplingParams` (sampling_params.py) carries a `Constraint`; only `engine/grammar.py` turns one into an xgrammar
+matcher, so reading settings and partitions never imports the grammar engine, nor any other engine module.
 """
 
 from __future__ import annotations

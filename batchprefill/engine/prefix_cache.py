@@ -1,0 +1,125 @@
+"""The prefix cache's keys, kept beside the scheduler as vLLM v1 keeps them in its KV-cache manager.
+
+A full block's key hashes its parent's key with its own tokens, so a changed token changes every later key; a
+chain starts from a root key holding everything else that changes KV for the same tokens (the model's scope,
+the cache namespace, the tenant's namespace). Keys are grown lazily, per request, as far as a step needs them.
+
+The scheduler asks three things of it: which leading blocks of a waiting request are cached (and whether the
+first block it must compute is being computed by another request right now: then the request waits, so a
+prefix shared by a group is computed once), to announce the blocks an admitted request will compute, and to
+register blocks as they fill. With prefix caching off all three are chosen at construction to do nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from batchprefill.engine.block_pool import BlockPool
+from batchprefill.engine.request import Request
+
+
+def scope_key(*parts: object) -> bytes:
+    """The root of every hash chain: everything that changes KV for the same tokens."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """A full block's key: its parent's key and its own tokens, so a changed token changes every later key."""
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+class PrefixCache:
+    """Block keys over one pool: `scope` is the model's cache scope with the cache namespace."""
+
+    def __init__(self, pool: BlockPool, block_size: int, scope: tuple, enabled: bool):
+        self.pool = pool
+        self.block_size = block_size
+        self.scope = scope
+        self.root_keys: dict[str, bytes] = {}  # namespace -> the root of its hash chains
+        self.in_flight: dict[bytes, Request] = {}  # keys of blocks some request is computing right now
+        # Chosen once here, so the per-step path never asks whether prefix caching is on.
+        self.match = self._cached_prefix if enabled else self._no_prefix
+        self.announce = self._announce_blocks if enabled else self._announce_nothing
+        self.register = self._register_blocks if enabled else self._register_nothing
+
+    def keys(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The request's chained block keys, grown to at least its first `num_blocks` full blocks (the list
+        itself, not a copy: callers index the span they need)."""
+        keys, size = request.block_hashes, self.block_size
+        donor = request.prefix_donor
+        if donor is not None:  # the order stage found its leading blocks equal to its neighbour's: no rehashing
+            request.prefix_donor = None
+            if not keys:
+                keys.extend(donor.block_hashes[: request.donor_blocks])
+        parent = keys[-1] if keys else self._root_key(request.namespace)
+        while len(keys) < num_blocks:
+            start = len(keys) * size
+            parent = block_key(parent, request.tokens(start, start + size))
+            keys.append(parent)
+        return keys
+
+    def _root_key(self, namespace: str) -> bytes:
+        """Everything that changes KV for the same tokens: the model's scope, the cache namespace, the tenant."""
+        key = self.root_keys.get(namespace)
+        if key is None:
+            key = self.root_keys[namespace] = scope_key(*self.scope, namespace)
+        return key
+
+    def _cached_prefix(self, request: Request) -> tuple[list[int], bool]:
+        """Cached blocks of the request's longest cached prefix, and whether the first block it must compute is
+        in flight (another request computes it now).
+
+        At least one token is always left to compute: its logits give the first output token.
+        """
+        matchable = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for key in self.keys(request, matchable)[:matchable]:
+            block = self.pool.lookup(key)
+            if block is None:
+                return hits, key in self.in_flight
+            hits.append(block)
+        return hits, False
+
+    @staticmethod
+    def _no_prefix(request: Request) -> tuple[list[int], bool]:
+        return [], False
+
+    def _announce_blocks(self, request: Request, first: int) -> None:
+        """Announce the full prompt blocks this request will compute, from block `first` on, so its group waits
+        for them."""
+        full = request.num_tokens // self.block_size
+        for key in self.keys(request, full)[first:full]:
+            if key not in self.in_flight and self.pool.lookup(key) is None:
+                self.in_flight[key] = request
+
+    @staticmethod
+    def _announce_nothing(request: Request, first: int) -> None:
+        pass
+
+    def _register_blocks(self, request: Request, before: int) -> None:
+        """Cache every block from `before` on that the request has now fully computed."""
+        full = request.num_computed_tokens // self.block_size
+        keys = self.keys(request, full)
+        for index in range(before, full):
+            key = keys[index]
+            self.pool.register(request.block_table[index], key)
+            if self.in_flight.get(key) is request:
+                del self.in_flight[key]
+
+    @staticmethod
+    def _register_nothing(request: Request, before: int) -> None:
+        pass
+
+    def release(self, request: Request) -> None:
+        """A request that gives its blocks back no longer computes the blocks it announced."""
+        for key in request.block_hashes:
+            if self.in_flight.get(key) is request:
+                del self.in_flight[key]
+
+    @staticmethod
+    def inherit(child: Request, parent: Request, num_blocks: int) -> None:
+        """A forked child's keys: its parent's, for the `num_blocks` full blocks they share (none hashed again)."""
+        child.block_hashes = parent.block_hashes[:num_blocks]
