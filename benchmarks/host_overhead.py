@@ -47,8 +47,11 @@ def tiny_model():
 
     try:
         from batchprefill.kernels.torch.ops import TorchOps
-    except ImportError:  # revisions before the kernels were split
-        from batchprefill.kernels.ops import TorchOps
+    except ImportError:
+        try:  # revisions before the kernels had a folder per backend
+            from batchprefill.kernels.torch_ops import TorchOps
+        except ImportError:  # revisions before the kernels were split
+            from batchprefill.kernels.ops import TorchOps
     config = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
         num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HIDDEN // HEADS, rms_norm_eps=1e-5,
@@ -118,8 +121,12 @@ def measure() -> dict:
     try:  # as a job does: the order stage's shared-block counts let neighbours share block keys
         import pyarrow as pa
 
-        from batchprefill.pipeline.order import shared_with_previous
-        from batchprefill.pipeline.requests import link_prefix_donors
+        try:
+            from batchprefill.pipeline.order import shared_with_previous
+            from batchprefill.pipeline.requests import link_prefix_donors
+        except ImportError:  # revisions before the pipeline folder
+            from batchprefill.job import link_prefix_donors
+            from batchprefill.order import shared_with_previous
 
         link_prefix_donors(requests, shared_with_previous(pa.chunked_array([prompts]),
                                                           pa.chunked_array([[""] * len(prompts)]), 16))
