@@ -8,15 +8,15 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from batchprefill.engine.request import Request, SamplingParams, with_samples
-from batchprefill.engine.scoring import score_request
-from batchprefill.io.columns import CHOICES, ERROR, NAMESPACE, ROW, TOKENS
+from batchprefill.engine.request import Request, SamplingParams
+from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS
 from batchprefill.io.dataset import read_parquet
 from batchprefill.pipeline.manifest import partition_path
 from batchprefill.pipeline.order import Group, groups, reusable_tokens, run_order, shared_with_previous
 from batchprefill.pipeline.prepare import Prepared
 from batchprefill.pipeline.request_params import partition_sampling
 from batchprefill.settings import DataSettings
+from batchprefill.tasks.base import OrderedRows, Task
 
 PARTITION_REMEDY = "delete output.dir/partitions and rerun: the job prepares them again and resumes"
 
@@ -36,10 +36,10 @@ class PartitionRun:
     written: set  # with sampling.n > 1: (request id, sample_index) of samples an earlier run committed
 
 
-def load_partition(data: DataSettings, block_size: int, params: SamplingParams, prepared: Prepared, part: int,
-                   skip: set) -> PartitionRun:
-    """Read one partition, drop rows already done, order the rest and turn them into requests: with task=score
-    a context request per row carrying its choices, with sampling.n > 1 sample 0 carrying the others."""
+def load_partition(task: Task, data: DataSettings, block_size: int, params: SamplingParams, prepared: Prepared,
+                   part: int, skip: set) -> PartitionRun:
+    """Read one partition, drop rows already done, order the rest and let the task turn them into requests; the
+    task's own columns are then in its requests, and leave the table."""
     table = read_parquet(partition_path(prepared.partitions_dir, part), None, PARTITION_REMEDY)
     written = skip if params.n > 1 else set()
     if params.n > 1:  # a row is done when all its samples are
@@ -54,14 +54,9 @@ def load_partition(data: DataSettings, block_size: int, params: SamplingParams, 
     order = run_order(table[TOKENS], table[NAMESPACE], table[ROW], table[ERROR], data.order)
     token_ids, namespaces = table[TOKENS].take(order), table[NAMESPACE].take(order)
     rows = table[ROW].take(order).to_pylist()
-    if data.columns.choices:
-        choices = table[CHOICES].take(order).to_pylist()
-        requests = [score_request(row, ids, row_choices, namespace) for row, ids, row_choices, namespace
-                    in zip(rows, token_ids.to_pylist(), choices, namespaces.to_pylist())]
-    else:
-        settings = [sampling.settings[i] for i in sampling.index[order].tolist()]
-        requests = [with_samples(Request(row, ids, row_params, namespace)) for row, ids, row_params, namespace
-                    in zip(rows, token_ids.to_pylist(), settings, namespaces.to_pylist())]
+    settings = [sampling.settings[i] for i in sampling.index[order].tolist()]
+    requests = task.requests(OrderedRows(table, order, rows, token_ids.to_pylist(), namespaces.to_pylist(), settings))
+    table = table.drop_columns(list(task.internal_columns))
     link_prefix_donors(requests, shared_with_previous(token_ids, namespaces, block_size))
     errors = [(i, message) for i, message in enumerate(sampling.errors) if message is not None]
     return PartitionRun(part, table, errors, requests, groups(token_ids, namespaces, block_size),
