@@ -19,6 +19,7 @@ from batchprefill.errors import JobError
 from batchprefill.io import openai_batch
 from batchprefill.io.columns import Columns
 from batchprefill.sampling_params import SamplingParams
+from batchprefill.tasks import Task, get_task
 
 
 @dataclass(frozen=True)
@@ -85,17 +86,16 @@ class JobSettings:
     sampling: SamplingParams
     output: OutputSettings
     plan_link_gbps: float
-    task: str = "generate"  # generate | score
+    task: str = "generate"  # a name in tasks.TASKS
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> JobSettings:
-        task = str(cfg.get("task", "generate"))
-        _require(task in ("generate", "score"), f"task={task!r}: choose generate or score")
+        name = str(cfg.get("task", "generate"))
+        task = get_task(name)
         sampling = _sampling(cfg)
-        _require(task == "generate" or sampling.n == 1, f"task=score scores each choice once: set sampling.n=1, "
-                                                        f"not {sampling.n}")
+        task.check(sampling)
         return cls(data=_data(cfg, task), model=_model(cfg), engine=_engine(cfg), sampling=sampling,
-                   output=_output(cfg), plan_link_gbps=_link_gbps(cfg), task=task)
+                   output=_output(cfg), plan_link_gbps=_link_gbps(cfg), task=name)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -103,15 +103,11 @@ def _require(ok: bool, message: str) -> None:
         raise JobError(message)
 
 
-def _data(cfg: DictConfig, task: str) -> DataSettings:
+def _data(cfg: DictConfig, task: Task) -> DataSettings:
     d = cfg.data
     _require(d.order in ("prefix", "input"), f"data.order={d.order!r}: choose prefix or input")
     _require(d.read_batch_rows >= 1 and d.buffer_mb >= 1, "data.read_batch_rows and data.buffer_mb must be >= 1")
-    columns = _columns(d)
-    if task == "score":
-        _require(d.format != "openai_batch", "task=score reads Parquet or datasets input, not data.format=openai_batch")
-        _require(bool(d.get("choices_column")), "task=score needs data.choices_column: the column of choices")
-        columns = replace(columns, choices=str(d.choices_column))
+    columns = replace(_columns(d), task_columns=_task_columns(d, task))
     return DataSettings(
         input=d.input, format=d.format, columns=columns, chat_template=bool(d.chat_template), order=d.order,
         sharding=_sharding(d.num_shards, d.shard_index), configured_shards=d.num_shards,
@@ -128,6 +124,18 @@ def _columns(d: DictConfig) -> Columns:
     messages = d.get("messages_column")
     return Columns(prompt=None if messages else d.prompt_column, id=d.id_column, system=d.system_column,
                    namespace=d.namespace_column, messages=messages, schema=d.get("schema_column"))
+
+
+def _task_columns(d: DictConfig, task: Task) -> tuple[tuple[str, str], ...]:
+    """The input columns the task reads besides the prompt, as (data.* key, column name): each key must be set,
+    and an OpenAI batch file, whose columns are the format's own, has none to give."""
+    if not task.input_columns:
+        return ()
+    _require(d.format != "openai_batch",
+             f"task={task.name} reads Parquet or datasets input, not data.format=openai_batch")
+    for key, meaning in task.input_columns:
+        _require(bool(d.get(key)), f"task={task.name} needs data.{key}: {meaning}")
+    return tuple((key, str(d[key])) for key, _ in task.input_columns)
 
 
 def _sharding(count: int | None, index: int | None) -> Sharding:

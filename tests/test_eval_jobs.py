@@ -95,7 +95,7 @@ def test_n_samples_with_logprobs_write_a_row_per_sample_and_resume_exactly_once(
 
 
 def test_a_context_plus_choice_past_the_model_context_is_that_rows_error(tokenizer):
-    from batchprefill.pipeline.tokenize import choice_tokens
+    from batchprefill.tasks.score import choice_tokens
 
     contexts = ["The sky is", "Grass is"]
     tokens = tokenizer.encode_batch(contexts)  # 3 and 2 tokens

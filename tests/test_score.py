@@ -4,8 +4,8 @@ computed once (prefix cache across rows, fork across choices) and never again pe
 import torch
 
 from batchprefill.engine.request import Request
-from batchprefill.engine.scoring import score_request
 from batchprefill.sampling_params import SamplingParams
+from batchprefill.tasks.score import score_request
 
 TOLERANCE = 2e-3  # float32 on the CPU
 HEADER = "The following are questions about the world, with answers.\n\n"
@@ -32,7 +32,7 @@ def test_scores_equal_transformers_and_each_context_is_computed_once(make_engine
         [score_request(i, ctx, cs) for i, (ctx, cs) in enumerate(zip(contexts, choices))])}
     assert sorted(rows) == [0, 1, 2]
     for i, (ctx, cs) in enumerate(zip(contexts, choices)):
-        scores = rows[i].score
+        scores = rows[i].readout
         reference = [hf_loglikelihood(hf_reference, ctx, c) for c in cs]
         assert max(abs(a - b) for a, (b, _) in zip(scores.choice_logprobs(), reference)) < TOLERANCE
         assert scores.is_greedy() == [greedy for _, greedy in reference]

@@ -1,9 +1,10 @@
 """The engine loop: schedule a step, run it, sample, fork, finish requests, record statistics.
 
 One forward pass serves three kinds of rows: sampled rows (one per sequence whose prompt is done), the rows
-that score choices (task=score), and the log-probabilities of sampled tokens where asked. A parent whose prompt
-completes in a step forks its children right after it: n-sample children draw their first token from the
-parent's logits of this very step, so the prompt is computed once for all of them.
+that readouts read (a request's own positions: task=score's choices), and the log-probabilities of sampled
+tokens where asked. A parent whose prompt completes in a step forks its children right after it: n-sample
+children draw their first token from the parent's logits of this very step, so the prompt is computed once
+for all of them.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from batchprefill.engine.counters import EngineCounters, StepStats
 from batchprefill.engine.input_batch import ForwardInputs
 from batchprefill.engine.logprobs import append_logprobs, top_logprobs
 from batchprefill.engine.model_runner import ModelRunner
+from batchprefill.engine.readout import StepReads, step_reads
 from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import fork_sampling
 from batchprefill.engine.scheduler import Scheduler
 from batchprefill.engine.scheduler_output import SchedulerOutput
-from batchprefill.engine.scoring import ScoreRows, finish_scored, score_rows
 from batchprefill.model.decoder import DecoderModel
 
 if TYPE_CHECKING:  # xgrammar loads only for jobs that can be constrained
@@ -51,15 +52,15 @@ class Engine:
         self.counters = EngineCounters()
         self.rejected: list[Request] = []  # requests that can never fit the pool, returned by the next step
         self.structured = structured
-        # Set by the first request that asks: until then no step looks for forks, scoring rows or logprobs.
+        # Set by the first request that asks: until then no step looks for forks, readout rows or logprobs.
         self.forking = False
-        self.scoring = False
+        self.readouts = False
         self.logprobs = False
 
     def add(self, request: Request) -> None:
         need = max(r.num_prompt_tokens + r.sampling.max_tokens for r in (request, *request.forks))
         self.forking |= bool(request.forks)
-        self.scoring |= request.score is not None
+        self.readouts |= request.readout is not None
         self.logprobs |= request.sampling.logprobs is not None  # 0: the sampled token's alone
         if need > self.capacity:
             request.error = (f"needs up to {need} KV slots (prompt + sampling.max_tokens, or context + choice) "
@@ -80,7 +81,7 @@ class Engine:
 
     def _reject_with_samples(self, request: Request) -> None:
         """A request that can never run, and its other samples (each a result row of its own), as error rows."""
-        samples = [c for c in request.forks if c.score is None]
+        samples = [c for c in request.forks if c.readout is None]
         request.forks = []
         for rejected in (request, *samples):
             rejected.error = request.error
@@ -99,20 +100,20 @@ class Engine:
             self._release(request)
         if step.chunks:
             inputs = self.runner.prepare(step)
-            scored = score_rows(step.chunks, inputs.query_start) if self.scoring else None
+            reads = step_reads(step.chunks, inputs.query_start) if self.readouts else None
             masks = self.structured.start(step, inputs.sampled) if self.structured is not None else None
             sampled = [step.chunks[index].request for index in inputs.sampled.tolist()]
             clock.append(time.perf_counter())
-            if self._greedy_only(inputs, sampled, scored):
+            if self._greedy_only(inputs, sampled, reads):
                 tokens = self.runner.greedy_tokens(inputs)  # the forward, which picks them on the way
                 logits = raw = tops = None
                 clock.append(time.perf_counter())
             else:
-                logits = self.runner.forward(inputs, None if scored is None else scored.rows)
+                logits = self.runner.forward(inputs, None if reads is None else reads.rows)
                 clock.append(time.perf_counter())
                 num_sampled = len(inputs.logits_rows)
-                if scored is not None:
-                    scored.record(logits[num_sampled:])
+                if reads is not None:
+                    reads.record(logits[num_sampled:])
                     logits = logits[:num_sampled]
                 raw = logits
                 if masks is not None:  # logprobs stay the raw distribution: keep it apart only when both are asked
@@ -124,7 +125,7 @@ class Engine:
             self.scheduler.commit(step)
             if self.forking:
                 self._fork(logits, raw, sampled, finished)
-            if tops is None and self.structured is None and not self.scoring:
+            if tops is None and self.structured is None and not self.readouts:
                 self._append_all(sampled, tokens.tolist(), finished)
             else:
                 self._append_each(sampled, tokens.tolist(), tops, finished)
@@ -134,7 +135,7 @@ class Engine:
         return finished
 
     def _append_all(self, requests: list[Request], tokens: list[int], finished: list[Request]) -> None:
-        """A step's tokens when no row scores, is constrained or records logprobs (the usual decode step): one
+        """A step's tokens when no row has a readout, is constrained or records logprobs (the usual decode step): one
         tight loop appends them, and only a request that may end now (an EOS token, stop strings to look for,
         its length limit reached) goes through `_ends`, which decides as `_append` always did. On
         benchmarks/host_overhead.py (255 rows, one thread, a loaded machine) bookkeeping went from 0.63-0.68 to
@@ -151,12 +152,12 @@ class Engine:
 
     def _append_each(self, sampled: list[Request], tokens: list[int], tops: np.ndarray | None,
                      finished: list[Request]) -> None:
-        """A step's tokens, row by row, with what scoring rows, logprobs and grammars add."""
+        """A step's tokens, row by row, with what readouts, logprobs and grammars add."""
         verdicts = self.structured.advance(sampled, tokens) if self.structured is not None else None
         for position, (request, token) in enumerate(zip(sampled, tokens)):
-            if request.score is not None:
+            if request.readout is not None:
                 self._done(request)
-                row = finish_scored(request)
+                row = request.readout.finish(request)
                 if row is not None:
                     finished.append(row)
                 continue
@@ -168,14 +169,14 @@ class Engine:
                 self._done(request)
                 finished.append(request)
 
-    def _greedy_only(self, inputs: ForwardInputs, sampled: list[Request], scored: ScoreRows | None) -> bool:
+    def _greedy_only(self, inputs: ForwardInputs, sampled: list[Request], reads: StepReads | None) -> bool:
         """Whether all this step needs of its logits is each sampled row's greedy token: then the runner may pick
         them without making the logits (on the CPU, 256 rows x 49,152 float32 are 50 MB written and read back;
         see LMHead). Decided once per step, from flags the engine already keeps: not when a row draws
         (temperature > 0), when any request of the job asks for logprobs, when the engine can constrain outputs
-        (the grammar masks the logits), when choices are scored, or when a parent forks children now that draw
+        (the grammar masks the logits), when readouts read rows, or when a parent forks children now that draw
         their first token from its logits."""
-        if scored is not None or self.structured is not None or self.logprobs:
+        if reads is not None or self.structured is not None or self.logprobs:
             return False
         if (inputs.sampling.temperature > 0).any():
             return False
@@ -201,7 +202,7 @@ class Engine:
             return
         copies, rows, children = [], [], []
         for position, parent in parents:
-            samples = [c for c in parent.forks if c.score is None]
+            samples = [c for c in parent.forks if c.readout is None]
             copies += self.scheduler.fork(parent)
             rows += [position] * len(samples)
             children += samples

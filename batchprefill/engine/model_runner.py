@@ -42,7 +42,7 @@ class ModelRunner:
 
     def forward(self, inputs: ForwardInputs, extra_rows: np.ndarray | None = None) -> torch.Tensor:
         """Logits `[R + E, vocab]` for the step's sampled rows, then for `extra_rows` of the flat batch (the rows
-        that score choices)."""
+        that readouts read)."""
         rows = inputs.logits_rows if extra_rows is None else np.concatenate([inputs.logits_rows, extra_rows])
         if (extra_rows is None and self.decoder and inputs.is_decode_only
                 and self.decoder.fits(len(inputs.input_ids))):

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import numpy as np
 
 from batchprefill.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from batchprefill.engine.scoring import ChoiceScores
 
 
 class Status(Enum):
@@ -37,8 +36,7 @@ class Request:
     batch_row: int = -1  # its row in the model runner's persistent batch while it runs, else -1
     # Children to fork once this request's prompt is computed: they share its full blocks and copy its partial one.
     forks: list[Request] = field(default_factory=list)
-    score: ChoiceScores | None = None  # task=score: the row's choice scores, shared by the context and its children
-    choice_index: int = -1  # task=score: which choice this child scores; -1 for the context itself
+    readout: Readout | None = None  # what it reads from its prompt's logits instead of sampling (task=score)
     output_logprobs: list[float] = field(default_factory=list)  # with sampling.logprobs: one per output token
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # The request before it in run order when the order stage found their first `donor_blocks` full blocks
@@ -53,8 +51,8 @@ class Request:
 
     @property
     def num_row_prompt_tokens(self) -> int:
-        """Prompt tokens as the row reports them: with task=score, the context plus every choice."""
-        return self.num_prompt_tokens + (self.score.choice_tokens if self.score and self.choice_index < 0 else 0)
+        """Prompt tokens as the row reports them: a readout may count its row's other requests too."""
+        return self.num_prompt_tokens if self.readout is None else self.readout.row_prompt_tokens(self)
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +71,33 @@ class Request:
     def is_decoding(self) -> bool:
         """All tokens but the last sampled one are in the cache: the next step computes one token."""
         return self.num_computed_tokens == self.num_tokens - 1 and bool(self.output_token_ids)
+
+
+class Readout(Protocol):
+    """What a request reads from the logits of its own prompt positions instead of sampling after them (task=score:
+    each choice token's log-probability). Each step the engine asks every request that carries one which of the
+    step's positions it reads, computes all their targets' log-probabilities in one pass, and hands them back.
+
+    A request with a readout samples nothing (its max_tokens is 0): it is done once its prompt is computed, and
+    its children that carry one are computed for their readouts, never sampled and never rows of their own."""
+
+    def select(self, request: Request, start: int, stop: int) -> tuple[list[int], list[int]]:
+        """Of `request`'s positions start..stop (those this step computes), the ones whose logits it reads, and
+        for each the token whose log-probability it reads there."""
+        ...
+
+    def record(self, positions: list[int], logprobs: np.ndarray, greedy: np.ndarray) -> None:
+        """Each selected token's log-probability and whether it is the logits' argmax, in `select`'s order."""
+        ...
+
+    def finish(self, request: Request) -> Request | None:
+        """`request`'s prompt is computed (its children forked): the request that returns as its row's result now,
+        or None while the row's other requests still compute."""
+        ...
+
+    def row_prompt_tokens(self, request: Request) -> int:
+        """The prompt tokens `request`'s row reports (task=score: the context and every choice)."""
+        ...
 
 
 def with_samples(request: Request) -> Request:

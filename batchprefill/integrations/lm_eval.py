@@ -26,12 +26,12 @@ from tqdm import tqdm
 
 from batchprefill.cli.app import CONFIG_DIR
 from batchprefill.engine.request import Request
-from batchprefill.engine.scoring import score_request
 from batchprefill.errors import JobError
 from batchprefill.pipeline.build_engine import engine_on, load_job_model
 from batchprefill.pipeline.prepare import open_model
 from batchprefill.sampling_params import SamplingParams
 from batchprefill.settings import JobSettings
+from batchprefill.tasks.score import ChoiceScores, score_request
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HF backend's default
 
@@ -96,8 +96,8 @@ class BatchprefillLM(TemplateLM):
         built = [score_request(number, list(context), [requests[i][2] for i in rows[context]])
                  for number, context in enumerate(contexts)]
         results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
-        for row in self._run(built, "loglikelihood", len(requests), disable_tqdm, lambda r: len(r.score.choices)):
-            scores = row.score
+        for row in self._run(built, "loglikelihood", len(requests), disable_tqdm, lambda r: len(r.readout.choices)):
+            scores: ChoiceScores = row.readout
             for choice, (logprob, greedy) in enumerate(zip(scores.choice_logprobs(), scores.is_greedy())):
                 results[rows[contexts[row.request_id]][choice]] = (logprob, greedy)
         return results

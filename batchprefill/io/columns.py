@@ -19,14 +19,15 @@ class Columns:
     read_error: str | None = None  # errors the reader found in a row (OpenAI batch lines): such rows never run
     schema: str | None = None  # a per-row JSON Schema (string) the row's output must follow
     sampling: tuple[str, ...] = ()  # per-request sampling columns (OpenAI batch bodies'; see request_params)
-    choices: str | None = None  # task=score: each row's continuations (a list of strings, or one string)
+    # The input columns the job's task reads besides the prompt, as (data.* key, column name) (tasks.Task).
+    task_columns: tuple[tuple[str, str], ...] = ()
 
 
 def check_columns(schema: pa.Schema, columns: Columns) -> None:
     names = set(schema.names)
     for key, name in (("prompt_column", columns.prompt), ("system_column", columns.system),
                       ("namespace_column", columns.namespace), ("messages_column", columns.messages),
-                      ("schema_column", columns.schema), ("choices_column", columns.choices)):
+                      ("schema_column", columns.schema), *columns.task_columns):
         if name is not None and name not in names:
             raise JobError(f"data.{key}={name!r} is not a column of the input (columns: {', '.join(schema.names)})")
     if columns.schema is not None and not pa.types.is_string(schema.field(columns.schema).type):
@@ -37,7 +38,4 @@ def check_columns(schema: pa.Schema, columns: Columns) -> None:
 ROW, TOKENS, ERROR, NAMESPACE = "_bp_row", "_bp_tokens", "_bp_error", "_bp_namespace"
 
 
-CHOICES = "_bp_choices"  # task=score: each choice's token ids after the context
-
-
-INTERNAL = (ROW, TOKENS, ERROR, NAMESPACE, CHOICES)
+INTERNAL = (ROW, TOKENS, ERROR, NAMESPACE)  # a task's own internal columns are its (tasks.Task.internal_columns)

@@ -29,23 +29,6 @@ LOGPROB_FIELDS = [  # with sampling.logprobs
     pa.field("output_top_logprobs", pa.list_(pa.list_(pa.struct([("token_id", pa.int32()),
                                                                  ("logprob", pa.float64())])))),
 ]
-SCORE_FIELDS = [  # task=score, in place of the output_* columns
-    pa.field("num_prompt_tokens", pa.int32()),
-    pa.field("num_cached_tokens", pa.int32()),
-    pa.field("finish_reason", pa.string()),
-    pa.field("error", pa.string()),
-    pa.field("choice_logprobs", pa.list_(pa.float64())),
-    pa.field("choice_num_tokens", pa.list_(pa.int32())),
-    pa.field("choice_is_greedy", pa.list_(pa.bool_())),
-    pa.field("best_choice", pa.int32()),
-]
-
-
-def result_fields(task: str, samples: bool, logprobs: bool) -> list[pa.Field]:
-    """The columns a job adds to its input columns (INTERFACE.md, "What a run writes")."""
-    if task == "score":
-        return SCORE_FIELDS
-    return [SAMPLE_INDEX] * samples + OUTPUT_FIELDS + LOGPROB_FIELDS * logprobs
 
 
 def committed_parts(results_dir: Path, id_column: str, samples: bool,
@@ -77,7 +60,7 @@ class Outcome:
     num_cached_tokens: int
     finish_reason: str | None
     error: str | None
-    columns: dict[str, object] = field(default_factory=dict)  # the job's other result columns (result_fields)
+    columns: dict[str, object] = field(default_factory=dict)  # the task's other result columns
 
     def value(self, name: str) -> object:
         return getattr(self, name) if name in Outcome.__dataclass_fields__ else self.columns.get(name)

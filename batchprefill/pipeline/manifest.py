@@ -35,6 +35,7 @@ class PrepareSettings:
     tokenizer_id: str
     read_batch_rows: int
     buffer_mb: int
+    task: str = "generate"  # what it tokenizes beyond the prompt (tasks.Task.tokenize)
     min_partitions: int = 1  # e.g. a few per shard, so that shards balance; not part of the fingerprint
 
 

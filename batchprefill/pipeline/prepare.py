@@ -16,6 +16,7 @@ from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.manifest import PARTITIONS_PER_SHARD, Manifest, PrepareSettings
 from batchprefill.pipeline.partitions import prepare
 from batchprefill.settings import JobSettings, ModelSettings
+from batchprefill.tasks import get_task
 
 
 @dataclass
@@ -54,7 +55,7 @@ def prepare_job(job: JobSettings) -> Prepared:
         columns=job.data.columns, chat_template=job.data.chat_template, order=job.data.order,
         block_size=job.engine.block_size, max_prompt_tokens=_max_prompt_tokens(job, model.config),
         tokenizer_id=model.identity, read_batch_rows=job.data.read_batch_rows, buffer_mb=job.data.buffer_mb,
-        min_partitions=PARTITIONS_PER_SHARD * job.data.sharding.num_shards,
+        task=job.task, min_partitions=PARTITIONS_PER_SHARD * job.data.sharding.num_shards,
     )
     partitions_dir = job.output.dir / "partitions"
     manifest = prepare(files, fmt, prepare_settings, model.tokenizer, partitions_dir, job.output.progress)
@@ -66,4 +67,4 @@ def _max_prompt_tokens(job: JobSettings, model_config: ModelConfig) -> int:
     when their partition loads (request_params), so here only the model's context bounds them."""
     if "max_tokens" in job.data.columns.sampling:
         return model_config.max_positions - 1
-    return model_config.max_positions - (0 if job.task == "score" else job.sampling.max_tokens)
+    return get_task(job.task).max_prompt_tokens(model_config.max_positions, job.sampling.max_tokens)

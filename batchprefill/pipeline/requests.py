@@ -8,14 +8,14 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from batchprefill.engine.request import Request, with_samples
-from batchprefill.engine.scoring import score_request
-from batchprefill.io.columns import CHOICES, ERROR, ROW
+from batchprefill.engine.request import Request
+from batchprefill.io.columns import ERROR, ROW
 from batchprefill.pipeline.manifest import read_partition
 from batchprefill.pipeline.order import Group, groups, in_run_order, reusable_tokens, shared_with_previous
 from batchprefill.pipeline.prepare import Prepared
 from batchprefill.pipeline.request_params import partition_sampling
 from batchprefill.settings import JobSettings
+from batchprefill.tasks.base import OrderedRows, Task
 
 
 @dataclass
@@ -33,9 +33,9 @@ class PartitionRun:
     written: set  # with sampling.n > 1: (request id, sample_index) of samples an earlier run committed
 
 
-def load_partition(job: JobSettings, prepared: Prepared, part: int, skip: set) -> PartitionRun:
-    """Read one partition, drop rows already done, order the rest and turn them into requests: with task=score
-    a context request per row carrying its choices, with sampling.n > 1 sample 0 carrying the others."""
+def load_partition(job: JobSettings, task: Task, prepared: Prepared, part: int, skip: set) -> PartitionRun:
+    """Read one partition, drop rows already done, order the rest and let the task turn them into requests; the
+    task's own columns are then in its requests, and leave the table."""
     data, block_size, params = job.data, job.engine.block_size, job.sampling
     table = read_partition(prepared.partitions_dir, part)
     written = skip if params.n > 1 else set()
@@ -51,14 +51,9 @@ def load_partition(job: JobSettings, prepared: Prepared, part: int, skip: set) -
     run = in_run_order(table, data.order)
     order, token_ids, namespaces = run.order, run.token_ids, run.namespaces
     rows = table[ROW].take(order).to_pylist()
-    if data.columns.choices:
-        choices = table[CHOICES].take(order).to_pylist()
-        requests = [score_request(row, ids, row_choices, namespace) for row, ids, row_choices, namespace
-                    in zip(rows, token_ids.to_pylist(), choices, namespaces.to_pylist())]
-    else:
-        settings = [sampling.settings[i] for i in sampling.index[order].tolist()]
-        requests = [with_samples(Request(row, ids, row_params, namespace)) for row, ids, row_params, namespace
-                    in zip(rows, token_ids.to_pylist(), settings, namespaces.to_pylist())]
+    settings = [sampling.settings[i] for i in sampling.index[order].tolist()]
+    requests = task.requests(OrderedRows(table, order, rows, token_ids.to_pylist(), namespaces.to_pylist(), settings))
+    table = table.drop_columns(list(task.internal_columns))
     link_prefix_donors(requests, shared_with_previous(token_ids, namespaces, block_size))
     errors = [(i, message) for i, message in enumerate(sampling.errors) if message is not None]
     return PartitionRun(part, table, errors, requests, groups(token_ids, namespaces, block_size),

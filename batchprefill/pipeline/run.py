@@ -16,7 +16,7 @@ from batchprefill.errors import JobError
 from batchprefill.io.atomic import write_records
 from batchprefill.io.columns import ROW
 from batchprefill.io.openai_results import write_results_jsonl
-from batchprefill.io.results import Outcome, ResultWriter, done_ids, result_fields
+from batchprefill.io.results import Outcome, ResultWriter, done_ids
 from batchprefill.pipeline.build_engine import build_engine, structured_outputs
 from batchprefill.pipeline.manifest import PARTITION_SCHEMA, partition_path, partition_records, read_partition
 from batchprefill.pipeline.order import assign_shards
@@ -27,6 +27,8 @@ from batchprefill.report.run_figure import write_run_figure
 from batchprefill.report.stats import JobTotals, job_row, stats_dir, write_stats
 from batchprefill.report.summary import print_run_summary
 from batchprefill.settings import JobSettings
+from batchprefill.tasks import get_task
+from batchprefill.tasks.base import Task
 
 SIGTERM_EXIT_STATUS = 143
 
@@ -38,6 +40,7 @@ class Interrupted(Exception):
 def run_job(job: JobSettings) -> dict:
     """Run the job these settings describe; returns the job statistics row."""
     started = time.perf_counter()
+    task = get_task(job.task)
     prepared = prepare_job(job)
     out, sharding = job.output.dir, job.data.sharding
     results_dir = out / "results"
@@ -45,17 +48,18 @@ def run_job(job: JobSettings) -> dict:
     mine = _shard_partitions(job, prepared)
     output_tokens, constrained = _shard_demand(job, prepared, mine)
     structured = structured_outputs(job, prepared) if constrained else None  # before the model: a bad schema fails fast
-    engine = build_engine(job, prepared, _tokens_needed(job, prepared, mine, output_tokens), structured)
+    engine = build_engine(job, prepared, _tokens_needed(job, task, prepared, mine, output_tokens), structured)
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds,
-                          result_fields(job.task, job.sampling.n > 1, _may_ask_logprobs(job)))
+                          task.result_fields(job.sampling.n > 1, _may_ask_logprobs(job)))
     totals = JobTotals()
     bar = tqdm(total=sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n, desc=job.task,
                unit="req",
                disable=not job.output.progress)
     stop = _trap_sigterm()
     try:
-        _drive(engine, _requests(job, prepared, mine, skip, writer, totals, bar, stop), writer, totals, bar, stop)
+        _drive(engine, _requests(task, job, prepared, mine, skip, writer, totals, bar, stop), task, writer, totals,
+               bar, stop)
     except Interrupted:
         bar.close()
         print(f"batchprefill: stopped by SIGTERM after committing {writer.committed_rows} rows; "
@@ -109,14 +113,10 @@ def _shard_demand(job: JobSettings, prepared: Prepared, partitions: list[int]) -
     return output_tokens, constrained
 
 
-def _tokens_needed(job: JobSettings, prepared: Prepared, partitions: list[int], output_tokens: int) -> int:
-    """KV slots that would hold every prompt and output of this shard at once: a pool never needs more. With
-    task=score the choices' tokens are not in the manifest: twice the contexts' is taken (a pool that is short
-    only makes children wait)."""
-    manifest = prepared.manifest
-    if job.task == "score":
-        return sum(2 * manifest.partition_tokens[p] for p in partitions)
-    return sum(manifest.partition_tokens[p] for p in partitions) + output_tokens * job.sampling.n
+def _tokens_needed(job: JobSettings, task: Task, prepared: Prepared, partitions: list[int], output_tokens: int) -> int:
+    """KV slots that would hold every prompt and output of this shard at once: a pool never needs more."""
+    prompt_tokens = sum(prepared.manifest.partition_tokens[p] for p in partitions)
+    return task.kv_tokens(prompt_tokens, output_tokens, job.sampling.n)
 
 
 def _trap_sigterm() -> list[bool]:
@@ -129,12 +129,13 @@ def _trap_sigterm() -> list[bool]:
     return flag
 
 
-def _requests(job: JobSettings, prepared: Prepared, partitions: list[int], skip: set, writer: ResultWriter,
-              totals: JobTotals, bar: tqdm, stop: list[bool]) -> Iterator[tuple[PartitionRun, Request]]:
+def _requests(task: Task, job: JobSettings, prepared: Prepared, partitions: list[int], skip: set,
+              writer: ResultWriter, totals: JobTotals, bar: tqdm,
+              stop: list[bool]) -> Iterator[tuple[PartitionRun, Request]]:
     """Requests of every partition in turn, each with its partition: the next partition starts while the last one
     drains. Rows that never reach the engine are written here as error rows."""
     for part in partitions:
-        run = load_partition(job, prepared, part, skip)
+        run = load_partition(job, task, prepared, part, skip)
         totals.ideal_cached_tokens += run.ideal_cached_tokens
         row_numbers = run.table[ROW]
         for index, message in run.errors:
@@ -149,7 +150,7 @@ def _requests(job: JobSettings, prepared: Prepared, partitions: list[int], skip:
             yield run, request
 
 
-def _drive(engine: Engine, requests: Iterator[tuple[PartitionRun, Request]], writer: ResultWriter,
+def _drive(engine: Engine, requests: Iterator[tuple[PartitionRun, Request]], task: Task, writer: ResultWriter,
            totals: JobTotals, bar: tqdm, stop: list[bool]) -> None:
     """The engine loop: feed requests, write each finished one, commit at the end or on SIGTERM."""
     owners: dict[int, list] = {}  # request id -> [the partition it came from, its result rows still to come]
@@ -165,7 +166,7 @@ def _drive(engine: Engine, requests: Iterator[tuple[PartitionRun, Request]], wri
             owner[1] -= 1
             if not owner[1]:
                 del owners[request.request_id]
-            _record(owner[0], request, writer, totals)
+            _record(owner[0], request, task, writer, totals)
             bar.update(1)
             if totals.prompt_tokens:
                 bar.set_postfix(hit=f"{totals.cached_tokens / totals.prompt_tokens:.1%}", refresh=False)
@@ -175,7 +176,7 @@ def _drive(engine: Engine, requests: Iterator[tuple[PartitionRun, Request]], wri
         writer.commit()
 
 
-def _record(run: PartitionRun, request: Request, writer: ResultWriter, totals: JobTotals) -> None:
+def _record(run: PartitionRun, request: Request, task: Task, writer: ResultWriter, totals: JobTotals) -> None:
     """Write a finished request's row; when its partition is done, add the partition's group statistics."""
     index = run.position[request.request_id]
     run.unfinished -= 1
@@ -183,7 +184,7 @@ def _record(run: PartitionRun, request: Request, writer: ResultWriter, totals: J
         return  # an earlier run committed this sample
     writer.add(run.table, index, Outcome(
         request.output_text, request.output_token_ids, request.num_row_prompt_tokens,
-        request.num_cached_tokens or 0, request.finish_reason, request.error, _result_columns(request)))
+        request.num_cached_tokens or 0, request.finish_reason, request.error, task.result_columns(request)))
     totals.add_finished(request)
     if run.unfinished == 0:
         totals.add_groups(run.part, run.groups, run.requests)
@@ -198,16 +199,3 @@ def _may_ask_logprobs(job: JobSettings) -> bool:
 def _sample_column(job: JobSettings, sample: int) -> dict:
     return {"sample_index": sample} if job.sampling.n > 1 else {}
 
-
-def _result_columns(request: Request) -> dict:
-    """A finished request's columns beyond the plain output ones (writer.result_fields picks those a job writes)."""
-    asked = request.sampling.logprobs is not None  # 0 (an OpenAI line's logprobs alone): the sampled tokens'
-    columns: dict = {"sample_index": request.sample_index,
-                     "output_logprobs": request.output_logprobs if asked else None,
-                     "output_top_logprobs": [[{"token_id": t, "logprob": v} for t, v in top]
-                                             for top in request.output_top_logprobs] if asked else None}
-    scores = request.score
-    if scores is not None and request.error is None:
-        columns.update(choice_logprobs=scores.choice_logprobs(), choice_num_tokens=list(map(len, scores.choices)),
-                       choice_is_greedy=scores.is_greedy(), best_choice=scores.best_choice())
-    return columns

@@ -1,4 +1,5 @@
-"""Tokenize the input's record batches on every core: chat rendering, row checks (error rows), choice tokens."""
+"""Tokenize the input's record batches on every core: chat rendering, row checks (error rows), and what the
+job's task tokenizes beyond the prompt."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
-from batchprefill.io.columns import CHOICES, ERROR, NAMESPACE, ROW, TOKENS
+from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS
 from batchprefill.io.dataset import record_batches
+from batchprefill.model.tokenizer import ENCODE_ROWS
 from batchprefill.pipeline.manifest import PrepareSettings
-
-ENCODE_ROWS = 1024  # rows per tokenizer call: enough to keep every core busy, few enough to bound its output
-
+from batchprefill.tasks import get_task
+from batchprefill.tasks.base import PromptBatch
 
 # Threads that tokenize record batches. The tokenizer spreads each call over every core by itself; a second
 # thread keeps those cores fed while the first holds the GIL to turn its output into arrays.
@@ -56,22 +57,20 @@ def tokenized_tables(dataset: pads.Dataset, settings: PrepareSettings, tokenizer
 
 
 def _tokenized(batch: pa.RecordBatch, offset: int, settings: PrepareSettings, tokenizer) -> pa.Table:
-    """The batch with its row numbers, token ids, namespace and, for rows that cannot run, an error."""
+    """The batch with its row numbers, token ids, namespace, the task's own columns and, for rows that cannot run,
+    an error."""
     columns = settings.columns
     table = pa.Table.from_batches([batch])
     row_numbers = np.arange(offset, offset + batch.num_rows, dtype=np.int64)
     if columns.id not in table.column_names:
         table = table.append_column(columns.id, pa.array(row_numbers))
     texts, errors = _texts(table, settings, tokenizer)
-    spaces = None
-    if columns.choices:  # lm-eval's split: the context's trailing whitespace begins every choice
-        spaces = [text[len(text.rstrip()):] for text in texts]
-        texts = [text.rstrip() for text in texts]
-    tokens = _token_column(texts, errors, settings.max_prompt_tokens, tokenizer)
-    if columns.choices:
-        choices = choice_tokens(table[columns.choices].to_pylist(), texts, spaces, tokens.to_pylist(), errors,
-                                settings.max_prompt_tokens, tokenizer)
-        table = table.append_column(CHOICES, pa.array(choices, pa.list_(pa.list_(pa.int32()))))
+    limit = settings.max_prompt_tokens
+    prompts = PromptBatch(table, texts, errors, columns, limit, tokenizer,
+                          lambda given: _token_column(given, errors, limit, tokenizer))
+    tokens, task_columns = get_task(settings.task).tokenize(prompts)
+    for name, values in task_columns.items():
+        table = table.append_column(name, values)
     if columns.namespace:
         namespaces = pc.fill_null(pc.cast(table[columns.namespace], pa.string()), "")
     else:
@@ -172,50 +171,3 @@ def _token_column(texts: list[str], errors: list[str | None], limit: int, tokeni
     offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int32)
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(values)))
 
-
-def choice_tokens(choices: list, contexts: list[str], spaces: list[str], context_tokens: list[list[int]],
-                  errors: list[str | None], limit: int, tokenizer) -> list[list[list[int]] | None]:
-    """Each row's choices as lm-evaluation-harness tokenizes them: the tokens of context + whitespace + choice
-    after the context's own tokens. A row with no choices, a null or empty choice, a choice that adds no token,
-    or a context and choice longer than `limit` (the model's context) gets an error instead."""
-    texts, owners = [], []
-    for row, (row_choices, error) in enumerate(zip(choices, errors)):
-        if error is not None:
-            continue
-        row_choices = [row_choices] if isinstance(row_choices, str) else row_choices
-        problem = _choices_error(row_choices)
-        if problem is not None:
-            errors[row] = problem
-            continue
-        texts += [contexts[row] + spaces[row] + choice for choice in row_choices]
-        owners += [row] * len(row_choices)
-    result: list[list[list[int]] | None] = [None] * len(choices)
-    for start in range(0, len(texts), ENCODE_ROWS):
-        encoded = tokenizer.encode_batch(texts[start : start + ENCODE_ROWS])
-        for row, whole in zip(owners[start : start + ENCODE_ROWS], encoded):
-            if errors[row] is not None:
-                continue
-            context = context_tokens[row]
-            choice = whole[len(context):]
-            index = len(result[row] or [])
-            if not choice:
-                errors[row] = f"choices[{index}] adds no token to the prompt"
-            elif len(context) + len(choice) > limit:
-                errors[row] = (f"prompt plus choices[{index}] have {len(context) + len(choice)} tokens; at most "
-                               f"{limit} fit (the model's context)")
-            else:
-                result[row] = [*(result[row] or []), choice]
-    return [None if error is not None else row for row, error in zip(result, errors)]
-
-
-def _choices_error(choices) -> str | None:
-    if choices is None:
-        return "choices is null"
-    if not isinstance(choices, list) or not choices:
-        return "choices is empty" if isinstance(choices, list) else f"choices is a {type(choices).__name__}"
-    for index, choice in enumerate(choices):
-        if choice is None:
-            return f"choices[{index}] is null"
-        if not isinstance(choice, str) or not choice:
-            return f"choices[{index}] is empty" if choice == "" else f"choices[{index}] is not a string"
-    return None
