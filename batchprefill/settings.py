@@ -17,8 +17,8 @@ from omegaconf import DictConfig
 from batchprefill.engine.constraint import GrammarError, job_constraint
 from batchprefill.engine.request import SamplingParams
 from batchprefill.errors import JobError
-from batchprefill.io import openai_batch
 from batchprefill.io.columns import Columns
+from batchprefill.io.formats import input_format
 
 
 @dataclass(frozen=True)
@@ -117,14 +117,11 @@ def _data(cfg: DictConfig, task: str) -> DataSettings:
 
 
 def _columns(d: DictConfig) -> Columns:
-    if d.format == "openai_batch":  # the reader's own columns; custom_id is the id
-        return Columns(prompt=openai_batch.PROMPT, id=openai_batch.ID, system=None, namespace=d.namespace_column,
-                       messages=openai_batch.MESSAGES, read_error=openai_batch.ERROR_MESSAGE,
-                       schema=d.get("schema_column"),
-                       sampling=tuple(field.name for field in openai_batch.SAMPLING_COLUMNS))
+    """The columns the data.*_column keys name, as the format reads them (a format may have columns of its own)."""
     messages = d.get("messages_column")
-    return Columns(prompt=None if messages else d.prompt_column, id=d.id_column, system=d.system_column,
-                   namespace=d.namespace_column, messages=messages, schema=d.get("schema_column"))
+    return input_format(d.format).columns(Columns(
+        prompt=None if messages else d.prompt_column, id=d.id_column, system=d.system_column,
+        namespace=d.namespace_column, messages=messages, schema=d.get("schema_column")))
 
 
 def _sharding(count: int | None, index: int | None) -> Sharding:

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from batchprefill.io.atomic import write_atomic
 from batchprefill.io.columns import INTERNAL
-from batchprefill.io.dataset import read_parquet
+from batchprefill.io.own_files import read_parquet
 
 if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn
     pass

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchprefill.errors import JobError
-from batchprefill.io.dataset import resolve_input
+from batchprefill.io.formats import resolve_input
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.loader import model_identity, read_model_config, resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer

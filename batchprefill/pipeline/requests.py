@@ -11,7 +11,7 @@ import pyarrow as pa
 from batchprefill.engine.request import Request, SamplingParams, with_samples
 from batchprefill.engine.scoring import score_request
 from batchprefill.io.columns import CHOICES, ERROR, NAMESPACE, ROW, TOKENS
-from batchprefill.io.dataset import read_parquet
+from batchprefill.io.own_files import read_parquet
 from batchprefill.pipeline.manifest import partition_path
 from batchprefill.pipeline.order import Group, groups, reusable_tokens, run_order, shared_with_previous
 from batchprefill.pipeline.prepare import Prepared

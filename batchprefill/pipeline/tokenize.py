@@ -11,10 +11,9 @@ from contextlib import contextmanager
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 
 from batchprefill.io.columns import CHOICES, ERROR, NAMESPACE, ROW, TOKENS
-from batchprefill.io.dataset import record_batches
+from batchprefill.io.input_format import InputDataset, record_batches
 from batchprefill.pipeline.manifest import PrepareSettings
 
 ENCODE_ROWS = 1024  # rows per tokenizer call: enough to keep every core busy, few enough to bound its output
@@ -26,7 +25,7 @@ TOKENIZE_THREADS = 2
 
 
 @contextmanager
-def tokenized_tables(dataset: pads.Dataset, settings: PrepareSettings, tokenizer,
+def tokenized_tables(dataset: InputDataset, settings: PrepareSettings, tokenizer,
                       workers: int) -> Iterator[Iterator[pa.Table]]:
     """The input's record batches tokenized by `workers` threads, yielded in input order.
 
