@@ -33,6 +33,7 @@ class PrepareSettings:
     read_batch_rows: int
     buffer_mb: int
     min_partitions: int = 1  # e.g. a few per shard, so that shards balance; not part of the fingerprint
+    vocab_size: int | None = None  # token-id prompts must stay below it; tokenizer_id fixes it: not fingerprinted
 
 
 @dataclass
@@ -74,7 +75,7 @@ def locked(path: Path) -> Iterator[None]:
 
 def recipe_fingerprint(files: list[Path], settings: PrepareSettings) -> str:
     """What the partitions' content depends on; how many there are is left out, as any count serves any job."""
-    recipe = {key: value for key, value in asdict(settings).items() if key != "min_partitions"}
+    recipe = {key: value for key, value in asdict(settings).items() if key not in ("min_partitions", "vocab_size")}
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode())
     for file in files:
         stat = file.stat()

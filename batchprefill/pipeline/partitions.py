@@ -82,7 +82,7 @@ def _spill(files, fmt, settings: PrepareSettings, tokenizer, staging: Path, fing
     """One pass over the input in three overlapping stages: pyarrow's scanner decodes the next record batches,
     `workers` threads tokenize, and this thread spills each tokenized batch, in input order, to its partitions."""
     dataset = open_dataset(files, fmt)
-    check_columns(dataset.schema, settings.columns)
+    check_columns(dataset.schema, settings.columns, settings.chat_template)
     num_rows = dataset.count_rows()
     if num_rows == 0:
         raise JobError("the input has no rows")

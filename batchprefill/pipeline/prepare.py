@@ -44,7 +44,7 @@ def prepare_job(job: JobSettings) -> Prepared:
         columns=job.data.columns, chat_template=job.data.chat_template, order=job.data.order,
         block_size=job.engine.block_size, max_prompt_tokens=_max_prompt_tokens(job, model_config),
         tokenizer_id=identity, read_batch_rows=job.data.read_batch_rows, buffer_mb=job.data.buffer_mb,
-        min_partitions=PARTITIONS_PER_SHARD * job.data.sharding.num_shards,
+        min_partitions=PARTITIONS_PER_SHARD * job.data.sharding.num_shards, vocab_size=model_config.vocab_size,
     )
     partitions_dir = job.output.dir / "partitions"
     manifest = prepare(files, fmt, prepare_settings, tokenizer, partitions_dir, job.output.progress)

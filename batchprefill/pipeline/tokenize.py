@@ -12,9 +12,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchprefill.io.columns import CHOICES, ERROR, NAMESPACE, ROW, TOKENS
+from batchprefill.io.columns import CHOICES, ERROR, NAMESPACE, ROW, TOKENS, is_token_ids
 from batchprefill.io.input_format import InputDataset, record_batches
 from batchprefill.pipeline.manifest import PrepareSettings
+from batchprefill.pipeline.token_ids import given_token_ids, prompt_too_long
 
 ENCODE_ROWS = 1024  # rows per tokenizer call: enough to keep every core busy, few enough to bound its output
 
@@ -61,16 +62,19 @@ def _tokenized(batch: pa.RecordBatch, offset: int, settings: PrepareSettings, to
     row_numbers = np.arange(offset, offset + batch.num_rows, dtype=np.int64)
     if columns.id not in table.column_names:
         table = table.append_column(columns.id, pa.array(row_numbers))
-    texts, errors = _texts(table, settings, tokenizer)
-    spaces = None
-    if columns.choices:  # lm-eval's split: the context's trailing whitespace begins every choice
-        spaces = [text[len(text.rstrip()):] for text in texts]
-        texts = [text.rstrip() for text in texts]
-    tokens = _token_column(texts, errors, settings.max_prompt_tokens, tokenizer)
-    if columns.choices:
-        choices = choice_tokens(table[columns.choices].to_pylist(), texts, spaces, tokens.to_pylist(), errors,
-                                settings.max_prompt_tokens, tokenizer)
-        table = table.append_column(CHOICES, pa.array(choices, pa.list_(pa.list_(pa.int32()))))
+    if columns.prompt and is_token_ids(table.schema.field(columns.prompt).type):  # pre-tokenized prompts
+        tokens, errors = given_token_ids(table[columns.prompt], settings.max_prompt_tokens, settings.vocab_size)
+    else:
+        texts, errors = _texts(table, settings, tokenizer)
+        spaces = None
+        if columns.choices:  # lm-eval's split: the context's trailing whitespace begins every choice
+            spaces = [text[len(text.rstrip()):] for text in texts]
+            texts = [text.rstrip() for text in texts]
+        tokens = _token_column(texts, errors, settings.max_prompt_tokens, tokenizer)
+        if columns.choices:
+            choices = choice_tokens(table[columns.choices].to_pylist(), texts, spaces, tokens.to_pylist(), errors,
+                                    settings.max_prompt_tokens, tokenizer)
+            table = table.append_column(CHOICES, pa.array(choices, pa.list_(pa.list_(pa.int32()))))
     if columns.namespace:
         namespaces = pc.fill_null(pc.cast(table[columns.namespace], pa.string()), "")
     else:
@@ -162,7 +166,7 @@ def _token_column(texts: list[str], errors: list[str | None], limit: int, tokeni
         for i in np.flatnonzero((counts == 0) | (counts > limit)):
             if errors[start + i] is None:
                 errors[start + i] = "prompt tokenizes to no tokens" if counts[i] == 0 else (
-                    f"prompt has {counts[i]} tokens; at most {limit} fit (model context minus sampling.max_tokens)")
+                    prompt_too_long(counts[i], limit))
         keep = np.fromiter((error is None for error in errors[start : start + len(token_ids)]), bool)
         counts[~keep] = 0
         kept = itertools.compress(token_ids, keep)
