@@ -16,7 +16,7 @@ ARROW_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow IPC stream's end-of-
 
 
 class SavedDatasetFormat(InputFormat):
-    name, label = "datasets", "Arrow"
+    name = "datasets"
 
     def find(self, path: str) -> list[Path]:
         folder = Path(path)

@@ -71,6 +71,7 @@ class InputFormat:
         """Read what is cheap to read of every file before anything runs, so a damaged one is named up front."""
 
     def open(self, files: list[Path]) -> InputDataset:
+        """The files as one dataset, streamed in record batches; every format says how."""
         raise NotImplementedError
 
     def columns(self, given: Columns) -> Columns:
