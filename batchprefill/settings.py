@@ -16,8 +16,8 @@ from omegaconf import DictConfig
 
 from batchprefill.constraint import GrammarError, job_constraint
 from batchprefill.errors import JobError
-from batchprefill.io import openai_batch
 from batchprefill.io.columns import Columns
+from batchprefill.io.formats import FORMATS, input_format
 from batchprefill.sampling_params import SamplingParams
 from batchprefill.tasks import Task, get_task
 
@@ -116,23 +116,21 @@ def _data(cfg: DictConfig, task: Task) -> DataSettings:
 
 
 def _columns(d: DictConfig) -> Columns:
-    if d.format == "openai_batch":  # the reader's own columns; custom_id is the id
-        return Columns(prompt=openai_batch.PROMPT, id=openai_batch.ID, system=None, namespace=d.namespace_column,
-                       messages=openai_batch.MESSAGES, read_error=openai_batch.ERROR_MESSAGE,
-                       schema=d.get("schema_column"),
-                       sampling=tuple(field.name for field in openai_batch.SAMPLING_COLUMNS))
+    """The columns the data.*_column keys name, as the format reads them (a format may have columns of its own)."""
     messages = d.get("messages_column")
-    return Columns(prompt=None if messages else d.prompt_column, id=d.id_column, system=d.system_column,
-                   namespace=d.namespace_column, messages=messages, schema=d.get("schema_column"))
+    return input_format(d.format).columns(Columns(
+        prompt=None if messages else d.prompt_column, id=d.id_column, system=d.system_column,
+        namespace=d.namespace_column, messages=messages, schema=d.get("schema_column")))
 
 
 def _task_columns(d: DictConfig, task: Task) -> tuple[tuple[str, str], ...]:
     """The input columns the task reads besides the prompt, as (data.* key, column name): each key must be set,
-    and an OpenAI batch file, whose columns are the format's own, has none to give."""
+    and a format whose columns are its own (an OpenAI batch file) has none to give."""
     if not task.input_columns:
         return ()
-    _require(d.format != "openai_batch",
-             f"task={task.name} reads Parquet or datasets input, not data.format=openai_batch")
+    *open_formats, last = [name for name, fmt in FORMATS.items() if not fmt.fixed_columns]
+    _require(not input_format(d.format).fixed_columns,
+             f"task={task.name} reads {', '.join(open_formats)} or {last} input, not data.format={d.format}")
     for key, meaning in task.input_columns:
         _require(bool(d.get(key)), f"task={task.name} needs data.{key}: {meaning}")
     return tuple((key, str(d[key])) for key, _ in task.input_columns)

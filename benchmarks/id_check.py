@@ -29,7 +29,8 @@ ID_CHUNK_ROWS = 1 << 22
 
 
 def id_pass(path: Path) -> dict:
-    from batchprefill.io.dataset import open_dataset, record_batches
+    from batchprefill.io.formats import open_dataset
+    from batchprefill.io.input_format import record_batches
     from batchprefill.io.unique_ids import check_unique_ids
     from batchprefill.pipeline.partitions import ID_READ_ROWS
 
@@ -42,7 +43,8 @@ def id_pass(path: Path) -> dict:
 
 
 def decode_pass(path: Path) -> dict:
-    from batchprefill.io.dataset import open_dataset, record_batches
+    from batchprefill.io.formats import open_dataset
+    from batchprefill.io.input_format import record_batches
 
     return {"bytes": sum(b.nbytes for b in record_batches(open_dataset([path], "parquet"), READ_BATCH_ROWS))}
 

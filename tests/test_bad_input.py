@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from batchprefill.cli.app import BUG_EXIT_STATUS, reported_errors
 from batchprefill.errors import JobError
-from batchprefill.io.dataset import open_dataset, record_batches, resolve_input
+from batchprefill.io.formats import open_dataset, resolve_input
+from batchprefill.io.input_format import record_batches
 from batchprefill.io.unique_ids import FIRST_ROW, ID, ROW, IdBuckets, check_unique_ids
 from tests.conftest import REPO, run_cli
 
@@ -212,7 +213,7 @@ def test_a_saved_dataset_dict_with_splits_test_and_train_asks_for_one_split(tmp_
 
 def test_a_saved_dataset_whose_arrow_file_ends_with_its_marker_passes(tmp_path):
     folder = saved_dataset(tmp_path / "ds")
-    assert resolve_input(str(folder), "datasets") == (sorted(folder.glob("data-*.arrow")), "arrow")
+    assert resolve_input(str(folder), "datasets") == (sorted(folder.glob("data-*.arrow")), "datasets")
 
 
 # --- output.dir ----------------------------------------------------------------------------------------------------

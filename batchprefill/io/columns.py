@@ -23,16 +23,38 @@ class Columns:
     task_columns: tuple[tuple[str, str], ...] = ()
 
 
-def check_columns(schema: pa.Schema, columns: Columns) -> None:
+def check_columns(schema: pa.Schema, columns: Columns, chat_template: bool = False) -> None:
+    """Every column a data.* key names is in the input, and of a type the job can read; token-id prompts are not
+    text, so neither the chat template nor a task's columns read after the prompt's text (choices) apply to them."""
     names = set(schema.names)
     for key, name in (("prompt_column", columns.prompt), ("system_column", columns.system),
                       ("namespace_column", columns.namespace), ("messages_column", columns.messages),
                       ("schema_column", columns.schema), *columns.task_columns):
         if name is not None and name not in names:
             raise JobError(f"data.{key}={name!r} is not a column of the input (columns: {', '.join(schema.names)})")
-    if columns.schema is not None and not pa.types.is_string(schema.field(columns.schema).type):
+    if columns.schema is not None and not is_text(schema.field(columns.schema).type):
         raise JobError(f"data.schema_column={columns.schema!r} is {schema.field(columns.schema).type}, not a string "
                        "column: give each row's JSON Schema as JSON text")
+    prompt_type = schema.field(columns.prompt).type if columns.prompt is not None else None
+    if prompt_type is not None and is_token_ids(prompt_type):
+        if chat_template:
+            raise JobError(f"data.chat_template=true renders text, but data.prompt_column={columns.prompt!r} holds "
+                           f"token ids ({prompt_type}): set data.chat_template=false to take the ids as they are")
+        for key, name in columns.task_columns:
+            raise JobError(f"data.{key}={name!r} is tokenized after each prompt's text, but data.prompt_column="
+                           f"{columns.prompt!r} holds token ids ({prompt_type}): give the prompts as text")
+
+
+def is_text(arrow_type: pa.DataType) -> bool:
+    """A string column in any of Arrow's layouts (polars writes large_string)."""
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) or \
+        pa.types.is_string_view(arrow_type)
+
+
+def is_token_ids(arrow_type: pa.DataType) -> bool:
+    """A column of integer lists: pre-tokenized prompts, taken as token ids as vLLM takes prompt_token_ids."""
+    return (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)) and \
+        pa.types.is_integer(arrow_type.value_type)
 
 
 ROW, TOKENS, ERROR, NAMESPACE = "_bp_row", "_bp_tokens", "_bp_error", "_bp_namespace"

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchprefill.io.openai_batch import CHAT_URL, ERROR_CODE, ERROR_MESSAGE, ID, LINE, URL
+from batchprefill.io.openai_lines import CHAT_URL, ERROR_CODE, ERROR_MESSAGE, ID, LINE, URL
 
 SAMPLE_INDEX = "sample_index"
 OUTPUT_COUNT = "_completion_tokens"

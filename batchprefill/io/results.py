@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from batchprefill.io.atomic import write_atomic
 from batchprefill.io.columns import INTERNAL
-from batchprefill.io.dataset import read_parquet
+from batchprefill.io.own_files import read_parquet
 
 OUTPUT_FIELDS = [
     pa.field("output_text", pa.string()),

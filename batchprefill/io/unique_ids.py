@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -72,6 +71,8 @@ class IdBuckets:
         if self.num_buckets == 1:
             self._queue(0, table)
             return
+        import polars as pl  # 30 MB of RSS, needed only once the ids span several buckets
+
         buckets = (pl.from_arrow(ids).hash(seed=0).to_numpy() % np.uint64(self.num_buckets)).astype(np.int64)
         order = np.argsort(buckets, kind="stable")
         bounds = np.searchsorted(buckets[order], np.arange(self.num_buckets + 1))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from batchprefill.io.columns import Columns
-from batchprefill.io.dataset import read_parquet
+from batchprefill.io.own_files import read_parquet
 
 PARTITIONS_PER_SHARD = 4  # the least a sharded job asks for, so whole partitions can balance its shards
 MANIFEST_NAME = "manifest.json"
@@ -37,6 +37,7 @@ class PrepareSettings:
     buffer_mb: int
     task: str = "generate"  # what it tokenizes beyond the prompt (tasks.Task.tokenize)
     min_partitions: int = 1  # e.g. a few per shard, so that shards balance; not part of the fingerprint
+    vocab_size: int | None = None  # token-id prompts must stay below it; tokenizer_id fixes it: not fingerprinted
 
 
 @dataclass
@@ -92,7 +93,7 @@ def locked(path: Path) -> Iterator[None]:
 
 def recipe_fingerprint(files: list[Path], settings: PrepareSettings) -> str:
     """What the partitions' content depends on; how many there are is left out, as any count serves any job."""
-    recipe = {key: value for key, value in asdict(settings).items() if key != "min_partitions"}
+    recipe = {key: value for key, value in asdict(settings).items() if key not in ("min_partitions", "vocab_size")}
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode())
     for file in files:
         stat = file.stat()

@@ -23,9 +23,11 @@ drawn from the combined files (`output.plot`), the shards' steps one after anoth
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +35,8 @@ import pyarrow as pa
 
 from batchprefill.errors import JobError
 from batchprefill.io.atomic import write_atomic, write_records
-from batchprefill.io.dataset import read_parquet
-from batchprefill.io.openai_results import write_results_jsonl
+from batchprefill.io.formats import input_format
+from batchprefill.io.own_files import read_parquet
 from batchprefill.io.results import committed_parts
 from batchprefill.model.loader import resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
@@ -189,9 +191,7 @@ def merge_shards(job: JobSettings) -> str:
     parts = dict(committed_parts(out / "results", id_column, job.sampling.n > 1, _results_remedy))
     num_shards, folders = shard_stats(out / "stats", configured)
     rows = check_complete(inputs, parts, _shards_for_report(configured, num_shards, parts), out / "results")
-    if job.data.format == "openai_batch":
-        tokenizer = PromptTokenizer(resolve_folder(job.model.path))
-        write_results_jsonl(out / "results", out / "results.jsonl", job.model.name, tokenizer.decode_one)
+    input_format(job.data.format).finish_outputs(out, job.model.name, _token_text(job.model.path))
     if not folders:
         return f"batchprefill-merge: all {rows} rows have exactly one result in {out / 'results'}; one shard, " \
                "nothing to combine"
@@ -205,6 +205,13 @@ def merge_shards(job: JobSettings) -> str:
             f"{len(folders)} shards' statistics ({job['num_requests']} requests, {job['cache_hit_rate']:.1%} "
             f"cache hits, {job['wall_seconds']:.1f} s) into {out / 'stats'}"
             + (f"; the run at a glance: {figure}" if figure else ""))
+
+
+def _token_text(model_path: str | None) -> Callable[[int], str]:
+    """A token id's text from the model's tokenizer, opened at the first call: the merge needs no model unless
+    the format's outputs name tokens."""
+    tokenizer = functools.cache(lambda: PromptTokenizer(resolve_folder(model_path)))
+    return lambda token: tokenizer().decode_one(token)
 
 
 def _shards_for_report(configured: int | None, from_stats: int, parts: dict[str, list]) -> int:

@@ -25,14 +25,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from batchprefill.errors import JobError
 from batchprefill.io.columns import NAMESPACE, ROW, TOKENS, check_columns
-from batchprefill.io.dataset import open_dataset, record_batches
-from batchprefill.io.openai_batch import OpenAIBatchFile
+from batchprefill.io.formats import open_dataset
+from batchprefill.io.input_format import InputDataset, record_batches
 from batchprefill.io.unique_ids import check_unique_ids
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.manifest import (
@@ -89,7 +88,7 @@ def _spill(files, fmt, settings: PrepareSettings, tokenizer, staging: Path, fing
     """One pass over the input in three overlapping stages: pyarrow's scanner decodes the next record batches,
     `workers` threads tokenize, and this thread spills each tokenized batch, in input order, to its partitions."""
     dataset = open_dataset(files, fmt)
-    check_columns(dataset.schema, settings.columns)
+    check_columns(dataset.schema, settings.columns, settings.chat_template)
     num_rows = dataset.count_rows()
     if num_rows == 0:
         raise JobError("the input has no rows")
@@ -113,40 +112,18 @@ def _spill(files, fmt, settings: PrepareSettings, tokenizer, staging: Path, fing
     return Manifest(fingerprint, sum(files_out.rows), files_out.rows, files_out.tokens, files_out.bytes)
 
 
-def _expected_bytes(dataset: pads.Dataset | OpenAIBatchFile, first: pa.Table, num_rows: int) -> float:
+def _expected_bytes(dataset: InputDataset, first: pa.Table, num_rows: int) -> float:
     """The tokenized input's Arrow bytes, guessed from its first batch without reading the rest: scaled by rows,
-    or by the share of the input's bytes that the Parquet footers put in those rows, whichever is larger.
+    or by the share of the input's bytes that the format's metadata (Parquet footers) put in those rows, whichever
+    is larger.
 
     Rows alone miss a head of short prompts; footers alone miss a tail that Parquet's dictionary encoding
     shrinks but Arrow holds in full. Measuring exactly took a decoding pass (0.5 CPU s per 20k prompts against
     the tokenizer's 25, but alone on the critical path).
     """
     by_rows = first.nbytes * num_rows / first.num_rows
-    share = _parquet_share(dataset, first.num_rows)
+    share = dataset.head_share(first.num_rows)
     return by_rows if share is None else max(by_rows, first.nbytes / share)
-
-
-def _parquet_share(dataset: pads.Dataset | OpenAIBatchFile, rows: int) -> float | None:
-    """The share of the input's uncompressed Parquet bytes in its first `rows` rows, from the row groups' sizes
-    in the footers (rows within a row group taken as equal); None when the input is not all Parquet."""
-    if not isinstance(dataset, pads.Dataset):  # an OpenAI batch file streams JSONL: no footers
-        return None
-    groups = []  # (rows, bytes) of every row group, in reading order
-    for fragment in dataset.get_fragments():
-        if not isinstance(fragment, pads.ParquetFileFragment):
-            return None
-        metadata = fragment.metadata
-        groups += [(group.num_rows, group.total_byte_size)
-                   for group in map(metadata.row_group, range(metadata.num_row_groups))]
-    head, left = 0.0, rows
-    for group_rows, size in groups:
-        taken = min(left, group_rows)
-        head += size * taken / max(group_rows, 1)
-        left -= taken
-        if not left:
-            break
-    total = sum(size for _, size in groups)
-    return head / total if head and total else None
 
 
 def _num_partitions(expected_bytes: float, settings: PrepareSettings) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchprefill.errors import JobError
-from batchprefill.io.dataset import resolve_input
+from batchprefill.io.formats import resolve_input
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.loader import model_identity, read_model_config, resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
@@ -56,6 +56,7 @@ def prepare_job(job: JobSettings) -> Prepared:
         block_size=job.engine.block_size, max_prompt_tokens=_max_prompt_tokens(job, model.config),
         tokenizer_id=model.identity, read_batch_rows=job.data.read_batch_rows, buffer_mb=job.data.buffer_mb,
         task=job.task, min_partitions=PARTITIONS_PER_SHARD * job.data.sharding.num_shards,
+        vocab_size=model.config.vocab_size,
     )
     partitions_dir = job.output.dir / "partitions"
     manifest = prepare(files, fmt, prepare_settings, model.tokenizer, partitions_dir, job.output.progress)

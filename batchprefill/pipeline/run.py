@@ -15,7 +15,7 @@ from batchprefill.engine.request import Request
 from batchprefill.errors import JobError
 from batchprefill.io.atomic import write_records
 from batchprefill.io.columns import ROW
-from batchprefill.io.openai_results import write_results_jsonl
+from batchprefill.io.formats import input_format
 from batchprefill.io.results import Outcome, ResultWriter, done_ids
 from batchprefill.pipeline.build_engine import build_engine, structured_outputs
 from batchprefill.pipeline.manifest import PARTITION_SCHEMA, partition_path, partition_records, read_partition
@@ -69,8 +69,8 @@ def run_job(job: JobSettings) -> dict:
     stats = job_row(totals, engine.counters, engine.config, time.perf_counter() - started)
     stats_folder = stats_dir(out, sharding)
     write_stats(stats_folder, totals, engine.counters.steps, stats)
-    if job.data.format == "openai_batch" and sharding.num_shards == 1:  # shards: the merge writes it
-        write_results_jsonl(results_dir, out / "results.jsonl", job.model.name, prepared.model.tokenizer.decode_one)
+    if sharding.num_shards == 1:  # shards: the merge finishes the outputs
+        input_format(job.data.format).finish_outputs(out, job.model.name, prepared.model.tokenizer.decode_one)
     figure = write_run_figure(stats_folder, "batchprefill") if job.output.plot else None
     print_run_summary(stats, out, figure)
     return stats
@@ -191,9 +191,9 @@ def _record(run: PartitionRun, request: Request, task: Task, writer: ResultWrite
 
 
 def _may_ask_logprobs(job: JobSettings) -> bool:
-    """Whether rows may carry logprobs: the job asks for them, or the lines of an OpenAI batch file may (each
-    line's `logprobs`; the columns are null on the lines that do not ask)."""
-    return job.sampling.logprobs is not None or job.data.format == "openai_batch"
+    """Whether rows may carry logprobs: the job asks for them, or the format gives each row a `logprobs` column
+    of its own (an OpenAI batch line's; the columns are null on the lines that do not ask)."""
+    return job.sampling.logprobs is not None or "logprobs" in job.data.columns.sampling
 
 
 def _sample_column(job: JobSettings, sample: int) -> dict:

@@ -12,12 +12,12 @@ from contextlib import contextmanager
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 
-from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS
-from batchprefill.io.dataset import record_batches
+from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS, is_token_ids
+from batchprefill.io.input_format import InputDataset, record_batches
 from batchprefill.model.tokenizer import ENCODE_ROWS
 from batchprefill.pipeline.manifest import PrepareSettings
+from batchprefill.pipeline.token_ids import given_token_ids, prompt_too_long
 from batchprefill.tasks import get_task
 from batchprefill.tasks.base import PromptBatch
 
@@ -27,7 +27,7 @@ TOKENIZE_THREADS = 2
 
 
 @contextmanager
-def tokenized_tables(dataset: pads.Dataset, settings: PrepareSettings, tokenizer,
+def tokenized_tables(dataset: InputDataset, settings: PrepareSettings, tokenizer,
                       workers: int) -> Iterator[Iterator[pa.Table]]:
     """The input's record batches tokenized by `workers` threads, yielded in input order.
 
@@ -64,13 +64,16 @@ def _tokenized(batch: pa.RecordBatch, offset: int, settings: PrepareSettings, to
     row_numbers = np.arange(offset, offset + batch.num_rows, dtype=np.int64)
     if columns.id not in table.column_names:
         table = table.append_column(columns.id, pa.array(row_numbers))
-    texts, errors = _texts(table, settings, tokenizer)
-    limit = settings.max_prompt_tokens
-    prompts = PromptBatch(table, texts, errors, columns, limit, tokenizer,
-                          lambda given: _token_column(given, errors, limit, tokenizer))
-    tokens, task_columns = get_task(settings.task).tokenize(prompts)
-    for name, values in task_columns.items():
-        table = table.append_column(name, values)
+    if columns.prompt and is_token_ids(table.schema.field(columns.prompt).type):  # pre-tokenized prompts
+        tokens, errors = given_token_ids(table[columns.prompt], settings.max_prompt_tokens, settings.vocab_size)
+    else:
+        texts, errors = _texts(table, settings, tokenizer)
+        limit = settings.max_prompt_tokens
+        prompts = PromptBatch(table, texts, errors, columns, limit, tokenizer,
+                              lambda given: _token_column(given, errors, limit, tokenizer))
+        tokens, task_columns = get_task(settings.task).tokenize(prompts)
+        for name, values in task_columns.items():
+            table = table.append_column(name, values)
     if columns.namespace:
         namespaces = pc.fill_null(pc.cast(table[columns.namespace], pa.string()), "")
     else:
@@ -162,7 +165,7 @@ def _token_column(texts: list[str], errors: list[str | None], limit: int, tokeni
         for i in np.flatnonzero((counts == 0) | (counts > limit)):
             if errors[start + i] is None:
                 errors[start + i] = "prompt tokenizes to no tokens" if counts[i] == 0 else (
-                    f"prompt has {counts[i]} tokens; at most {limit} fit (model context minus sampling.max_tokens)")
+                    prompt_too_long(counts[i], limit))
         keep = np.fromiter((error is None for error in errors[start : start + len(token_ids)]), bool)
         counts[~keep] = 0
         kept = itertools.compress(token_ids, keep)
