@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from batchprefill.constraint import GrammarError, job_constraint
+from batchprefill.engine.config import EngineSettings
 from batchprefill.errors import JobError
 from batchprefill.io.columns import Columns
 from batchprefill.io.formats import FORMATS, input_format
@@ -47,25 +48,6 @@ class ModelSettings:
     path: str | None  # null = the shipped GGUF
     dtype: str  # auto | float32 | bfloat16 | float16
     adapter: str | None
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """The `engine` keys. The defaults are conf/config.yaml's, for engines built without a job (tests,
-    benchmarks); a job sets every field from its config."""
-
-    device: str = "auto"
-    attention_backend: str = "auto"
-    block_size: int = 16
-    max_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    kv_cache_tokens: int | None = None
-    prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"
-    cache_namespace: str = "default"
-    reserve_output_blocks: bool = True  # admit a request only if its prompt and max_tokens outputs fit
-    num_threads: int | None = None
-    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)

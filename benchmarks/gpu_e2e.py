@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.config import EngineConfig, EngineSettings
 from batchprefill.engine.counters import StepStats
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request
@@ -27,7 +27,6 @@ from batchprefill.kernels.triton.ops import TritonOps
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.sampling_params import SamplingParams
-from batchprefill.settings import EngineSettings
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,7 @@ def measure() -> dict:
     tokens = sum(map(len, prompts)) + len(prompts) * OUTPUT_TOKENS
     fields = {"block_size": 16, "max_batched_tokens": 2048, "max_num_seqs": 256}
     if "settings" in {field.name for field in dataclasses.fields(EngineConfig)}:
-        from batchprefill.settings import EngineSettings
+        from batchprefill.engine.config import EngineSettings
 
         config = EngineConfig(EngineSettings(**fields), num_blocks=tokens // 16 + 512)
     else:  # revisions before the config held the engine settings

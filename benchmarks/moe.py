@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from batchprefill import malloc
-from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.config import EngineConfig, EngineSettings
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request
 from batchprefill.kernels.torch.ops import TorchOps
@@ -32,7 +32,6 @@ from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.moe import MoeConfig, SparseMoe
 from batchprefill.sampling_params import SamplingParams
-from batchprefill.settings import EngineSettings
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 8, 512, 8, 4, 8192
 EXPERTS, TOP_K, EXPERT_WIDTH = 8, 2, 768

@@ -66,9 +66,8 @@ def run_cli(args: list[str], cwd: Path | None = None, env: dict | None = None, t
 def make_engine(loaded_model, tokenizer):
     """An engine on the session's model; keyword arguments override `num_blocks`, `padded_decode` and
     EngineSettings fields, `structured` gives it structured outputs."""
-    from batchprefill.engine.config import EngineConfig
+    from batchprefill.engine.config import EngineConfig, EngineSettings
     from batchprefill.engine.engine import Engine
-    from batchprefill.settings import EngineSettings
 
     def build(structured=None, num_blocks=512, padded_decode="off", **settings):
         config = EngineConfig(EngineSettings(**settings), num_blocks, padded_decode)

@@ -194,12 +194,11 @@ def test_an_unsupported_architecture_fails_with_one_line_naming_it_and_the_suppo
 def test_triton_and_the_padded_decode_buffers_give_torch_greedy_tokens_past_a_window(family):
     """Mistral's 8-token window under the Triton kernels, also through the fixed padded buffers CUDA graphs
     replay (run eagerly here), whose decode launches are planned for the longest context, not the window."""
-    from batchprefill.engine.config import EngineConfig
+    from batchprefill.engine.config import EngineConfig, EngineSettings
     from batchprefill.engine.engine import Engine
     from batchprefill.engine.request import Request
     from batchprefill.kernels.triton.ops import TritonOps
     from batchprefill.sampling_params import SamplingParams
-    from batchprefill.settings import EngineSettings
 
     folder, _ = family("mistral")
     prompts = [random_prompt(19, seed=5), random_prompt(12, seed=5) + random_prompt(5, seed=6)]

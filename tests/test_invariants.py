@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchprefill.engine.block_pool import BlockPool
+from batchprefill.engine.config import EngineSettings
 from batchprefill.engine.request import Request, Status
 from batchprefill.engine.scheduler import Scheduler
 from batchprefill.sampling_params import SamplingParams
-from batchprefill.settings import EngineSettings
 
 
 def check_pool(scheduler: Scheduler) -> None:

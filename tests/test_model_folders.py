@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.config import EngineConfig, EngineSettings
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request
 from batchprefill.errors import JobError
@@ -16,7 +16,6 @@ from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.families import read_config
 from batchprefill.model.loader import load_model, resolve_folder
 from batchprefill.sampling_params import SamplingParams
-from batchprefill.settings import EngineSettings
 from tests.test_numerics import prefill_logits
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

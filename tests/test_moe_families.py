@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from batchprefill.engine.config import EngineConfig
+from batchprefill.engine.config import EngineConfig, EngineSettings
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request
 from batchprefill.kernels.torch.ops import TorchOps
@@ -23,7 +23,6 @@ from batchprefill.model.moe import SparseMoe
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.model.weights import load_weights
 from batchprefill.sampling_params import SamplingParams
-from batchprefill.settings import EngineSettings
 from tests.conftest import REPO
 from tests.test_numerics import prefill_logits
 
@@ -98,8 +97,8 @@ def test_moe_greedy_tokens_equal_transformers_generate_on_both_backends(kind, tm
     config = read_config(tmp_path)
     for ops in (TorchOps(), TritonOps()):
         model = DecoderModel(config, load_weights(tmp_path, torch.float32, torch.device("cpu")), ops)
-        config = EngineConfig(EngineSettings(block_size=8, max_batched_tokens=16, max_num_seqs=2), num_blocks=32)
-        engine = Engine(model, config, lambda ids: "", ("tiny",), torch.float32, torch.device("cpu"))
+        engine_config = EngineConfig(EngineSettings(block_size=8, max_batched_tokens=16, max_num_seqs=2), num_blocks=32)
+        engine = Engine(model, engine_config, lambda ids: "", ("tiny",), torch.float32, torch.device("cpu"))
         [done] = engine.generate([Request(0, PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))])
         assert done.output_token_ids == expected, type(ops).__name__
 

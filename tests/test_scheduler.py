@@ -2,10 +2,10 @@
 (no model): a 2,500-token shared prefix, a token changed at index 5, a 2,048-token prompt under a 512 budget."""
 
 from batchprefill.engine.block_pool import BlockPool
+from batchprefill.engine.config import EngineSettings
 from batchprefill.engine.request import Request, Status
 from batchprefill.engine.scheduler import Scheduler
 from batchprefill.sampling_params import SamplingParams
-from batchprefill.settings import EngineSettings
 
 
 def make_scheduler(num_blocks=1024, block_size=16, budget=4096, max_seqs=256, reserve_growth=True) -> Scheduler:

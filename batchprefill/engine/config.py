@@ -1,4 +1,5 @@
-"""What the engine is built from: the job's engine settings, and what the job derived from its model and device.
+"""What the engine is built from: the job's engine settings (the `engine` keys, which settings.py reads into
+EngineSettings), and what the job derived from its model and device.
 
 One config travels from the settings to the engine: the settings as they were read, never copied field by field.
 """
@@ -7,7 +8,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchprefill.settings import EngineSettings
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The `engine` keys. The defaults are conf/config.yaml's, for engines built without a job (tests,
+    benchmarks); a job sets every field from its config."""
+
+    device: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    max_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    kv_cache_tokens: int | None = None
+    prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    cache_namespace: str = "default"
+    reserve_output_blocks: bool = True  # admit a request only if its prompt and max_tokens outputs fit
+    num_threads: int | None = None
+    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)

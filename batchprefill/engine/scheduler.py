@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections import deque
 
 from batchprefill.engine.block_pool import BlockPool
+from batchprefill.engine.config import EngineSettings
 from batchprefill.engine.prefix_cache import PrefixCache
 from batchprefill.engine.request import Request, Status
 from batchprefill.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from batchprefill.intmath import cdiv
-from batchprefill.settings import EngineSettings
 
 
 class Scheduler:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import pyarrow as pa
 
@@ -11,12 +12,19 @@ from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.counters import EngineCounters, StepStats
 from batchprefill.engine.request import Request
 from batchprefill.io.atomic import write_records
-from batchprefill.pipeline.order import Group
 from batchprefill.settings import Sharding
 
 GROUP_SCHEMA = pa.schema([("group_id", pa.int64()), ("num_requests", pa.int64()),
                           ("shared_prefix_tokens", pa.int64()), ("prompt_tokens", pa.int64()),
                           ("cached_tokens", pa.int64()), ("computed_prompt_tokens", pa.int64())])
+
+
+class PrefixGroup(Protocol):
+    """A prefix group as the order stage finds it (pipeline.order.Group): a run of requests in run order."""
+
+    start: int
+    stop: int
+    shared_prefix_tokens: int
 
 
 @dataclass
@@ -40,7 +48,7 @@ class JobTotals:
         self.cached_tokens += request.num_cached_tokens or 0
         self.output_tokens += len(request.output_token_ids)
 
-    def add_groups(self, part: int, run_groups: list[Group], requests: list[Request]) -> None:
+    def add_groups(self, part: int, run_groups: list[PrefixGroup], requests: list[Request]) -> None:
         """One stats/groups.parquet row per prefix group of a finished partition (ids unique across partitions)."""
         for number, group in enumerate(run_groups):
             members = requests[group.start : group.stop]
