@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 
 from batchprefill.io.columns import ERROR, ROW, TOKENS, Columns
 from batchprefill.pipeline.manifest import PrepareSettings, partition_path
-from batchprefill.pipeline.partitions import prepare
+from batchprefill.pipeline.partitions import make_partitions
 from tests.conftest import run_cli
 
 SYSTEM = "You label customer reviews as positive, negative or neutral. Answer with the label alone."
@@ -27,7 +27,7 @@ def prepared_rows(tokenizer, conversations: list, folder) -> dict[int, dict]:
     source = folder / "chats.parquet"
     pq.write_table(pa.table({"id": list(range(len(conversations))),
                              "messages": pa.array(conversations, MESSAGE_TYPE)}), source)
-    manifest = prepare([source], "parquet", settings_for(), tokenizer, folder / "parts", progress=False)
+    manifest = make_partitions([source], "parquet", settings_for(), tokenizer, folder / "parts", progress=False)
     tables = [pq.read_table(partition_path(folder / "parts", p)) for p in range(manifest.num_partitions)]
     return {row[ROW]: row for table in tables for row in table.select([ROW, TOKENS, ERROR]).to_pylist()}
 

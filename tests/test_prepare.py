@@ -25,7 +25,7 @@ from batchprefill.pipeline import partitions as prepare_module
 from batchprefill.pipeline import tokenize as tokenize_module
 from batchprefill.pipeline.manifest import PrepareSettings, partition_path, partition_records
 from batchprefill.pipeline.order import Group, assign_shards, groups, prefix_order, reusable_tokens
-from batchprefill.pipeline.partitions import PARTITION_TARGET_BYTES, RUN_EXPANSION, prepare
+from batchprefill.pipeline.partitions import PARTITION_TARGET_BYTES, RUN_EXPANSION, make_partitions
 
 VOCAB = 8
 BLOCK = 2
@@ -60,7 +60,7 @@ def _partitions(folder: Path, count: int) -> list[pa.Table]:
 
 
 def _prepare(words, source: Path, folder: Path, **kwargs):
-    manifest = prepare([source], "parquet", _settings(**kwargs), words, folder, progress=False)
+    manifest = make_partitions([source], "parquet", _settings(**kwargs), words, folder, progress=False)
     return manifest, _partitions(folder, manifest.num_partitions)
 
 
@@ -224,8 +224,8 @@ def _varied_prompts(count: int, words: int) -> list[str]:
 def test_one_and_three_tokenizing_threads_make_the_same_partitions_row_for_row(words, tmp_path):
     prompts = [f"w{i % 5} w{i % 3} w{i % 7} w1" if i % 11 else None for i in range(400)]
     source = _write(tmp_path / "in.parquet", prompts, [("", "a")[i % 2] for i in range(400)])
-    one = prepare([source], "parquet", _settings(), words, tmp_path / "one", progress=False, workers=1)
-    three = prepare([source], "parquet", _settings(), words, tmp_path / "three", progress=False, workers=3)
+    one = make_partitions([source], "parquet", _settings(), words, tmp_path / "one", progress=False, workers=1)
+    three = make_partitions([source], "parquet", _settings(), words, tmp_path / "three", progress=False, workers=3)
     assert one == three and one.num_partitions == 5  # 400 rows in 58 batches of 7
     for part in range(5):
         assert pq.read_table(partition_path(tmp_path / "one", part)).equals(
@@ -254,7 +254,7 @@ def test_an_exception_in_a_tokenizing_thread_is_raised_by_prepare_and_leaves_no_
 
     def run() -> None:
         try:
-            prepare([source], "parquet", _settings(), _FailingTokenizer(words), tmp_path / "p", progress=False,
+            make_partitions([source], "parquet", _settings(), _FailingTokenizer(words), tmp_path / "p", progress=False,
                     workers=2)
         except BaseException as error:  # noqa: BLE001 - handed to the test's thread
             raised.append(error)
@@ -265,7 +265,7 @@ def test_an_exception_in_a_tokenizing_thread_is_raised_by_prepare_and_leaves_no_
     assert not thread.is_alive(), "prepare hung after its tokenizer raised"
     assert [str(error) for error in raised] == ["tokenizer broke on batch 3"]
     assert not (tmp_path / "p").exists()  # no manifest: a rerun prepares from the start
-    assert prepare([source], "parquet", _settings(), words, tmp_path / "p", progress=False).num_rows == 200
+    assert make_partitions([source], "parquet", _settings(), words, tmp_path / "p", progress=False).num_rows == 200
 
 
 def _prepared_from_one_read(words, source: Path, folder: Path, monkeypatch) -> prepare_module.Manifest:
@@ -278,7 +278,7 @@ def _prepared_from_one_read(words, source: Path, folder: Path, monkeypatch) -> p
     monkeypatch.setattr(prepare_module, "record_batches", counted)  # the id check's pass
     monkeypatch.setattr(tokenize_module, "record_batches", counted)  # the rows tokenized
     settings = dataclasses.replace(_settings(min_partitions=1), read_batch_rows=500)
-    manifest = prepare([source], "parquet", settings, words, folder, progress=False)
+    manifest = make_partitions([source], "parquet", settings, words, folder, progress=False)
     assert len(reads) == 1
     return manifest
 

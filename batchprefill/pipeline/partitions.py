@@ -60,7 +60,7 @@ SPILL_BUFFER_SHARE = 8  # rows waiting for their partition file hold at most dat
 ID_READ_ROWS = 1 << 16  # 1 << 20 let pyarrow's scanner read ahead to 800 MB on 50M string ids; this, 130 MB
 
 
-def prepare(files: list[Path], fmt: str, settings: PrepareSettings, tokenizer: PromptTokenizer,
+def make_partitions(files: list[Path], fmt: str, settings: PrepareSettings, tokenizer: PromptTokenizer,
             folder: Path, progress: bool = True, workers: int = TOKENIZE_THREADS) -> Manifest:
     """Partitions for this input and these settings, made now unless an earlier run left them complete.
 

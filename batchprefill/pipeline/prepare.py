@@ -14,7 +14,7 @@ from batchprefill.model.config import ModelConfig
 from batchprefill.model.loader import model_identity, read_model_config, resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.manifest import PARTITIONS_PER_SHARD, Manifest, PrepareSettings
-from batchprefill.pipeline.partitions import prepare
+from batchprefill.pipeline.partitions import make_partitions
 from batchprefill.settings import JobSettings, ModelSettings
 from batchprefill.tasks import get_task
 
@@ -59,7 +59,7 @@ def prepare_job(job: JobSettings) -> Prepared:
         vocab_size=model.config.vocab_size,
     )
     partitions_dir = job.output.dir / "partitions"
-    manifest = prepare(files, fmt, prepare_settings, model.tokenizer, partitions_dir, job.output.progress)
+    manifest = make_partitions(files, fmt, prepare_settings, model.tokenizer, partitions_dir, job.output.progress)
     return Prepared(model, manifest, partitions_dir)
 
 
