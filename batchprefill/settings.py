@@ -22,6 +22,8 @@ from batchprefill.io.formats import FORMATS, input_format
 from batchprefill.sampling_params import SamplingParams
 from batchprefill.tasks import Task, get_task
 
+CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")  # conf/config.yaml: every command's Hydra config
+
 
 @dataclass(frozen=True)
 class Sharding:

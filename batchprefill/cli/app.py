@@ -23,9 +23,8 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from batchprefill.errors import JobError
-from batchprefill.settings import JobSettings
+from batchprefill.settings import CONFIG_DIR, JobSettings
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 # sysexits' EX_SOFTWARE: a bug, told apart from a fault the user fixes (JobError, 2) and an incomplete merge (1).
 BUG_EXIT_STATUS = 70
 SHOWN_CHARS = 300  # of an unexpected error's message on the one line; the log holds all of it

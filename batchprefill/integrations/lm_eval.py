@@ -24,13 +24,12 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from batchprefill.cli.app import CONFIG_DIR
 from batchprefill.engine.request import Request
 from batchprefill.errors import JobError
 from batchprefill.pipeline.build_engine import engine_on, load_job_model
 from batchprefill.pipeline.prepare import open_model
 from batchprefill.sampling_params import SamplingParams
-from batchprefill.settings import JobSettings
+from batchprefill.settings import CONFIG_DIR, JobSettings
 from batchprefill.tasks.score import ChoiceScores, score_request
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HF backend's default
