@@ -66,9 +66,10 @@ def partition_path(folder: Path, index: int) -> Path:
     return folder / f"part-{index:05d}.parquet"
 
 
-def read_partition(folder: Path, index: int, columns: list[str] | None = None) -> pa.Table:
-    """One prepared partition (all its columns, or `columns`); a damaged one stops the job with the remedy."""
-    return read_parquet(partition_path(folder, index), columns, PARTITION_REMEDY)
+def read_partition(folder: Path, index: int, columns: list[str] | None = None,
+                   remedy: str = PARTITION_REMEDY) -> pa.Table:
+    """One prepared partition (all its columns, or `columns`); a damaged one stops the job with `remedy`."""
+    return read_parquet(partition_path(folder, index), columns, remedy)
 
 
 def partition_records(manifest: Manifest, shards: list[list[int]]) -> list[dict]:

@@ -40,7 +40,7 @@ from batchprefill.io.own_files import read_parquet
 from batchprefill.io.results import committed_parts
 from batchprefill.model.loader import resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
-from batchprefill.pipeline.manifest import MANIFEST_NAME, partition_path, read_manifest
+from batchprefill.pipeline.manifest import MANIFEST_NAME, partition_path, read_manifest, read_partition
 from batchprefill.pipeline.order import assign_shards
 from batchprefill.report.run_figure import write_run_figure
 from batchprefill.settings import JobSettings
@@ -87,7 +87,7 @@ def read_inputs(partitions_dir: Path, id_column: str, samples: int = 1) -> Input
         if not path.exists():
             raise JobError(f"{path} is missing: rerun the job into a fresh output.dir")
         remedy = f"delete {partitions_dir} and rerun the job into the same output.dir: it prepares them again, resumes"
-        part_ids = read_parquet(path, [id_column], remedy)[id_column].to_pylist()
+        part_ids = read_partition(partitions_dir, index, [id_column], remedy)[id_column].to_pylist()
         if samples > 1:
             part_ids = [(i, sample) for i in part_ids for sample in range(samples)]
         ids.extend(part_ids)
