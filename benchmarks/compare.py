@@ -7,12 +7,12 @@
 Why a harness and not a test: the figures are minutes of CPU time and depend on the machine; they are
 evidence for BENCHMARKS.md and for engine work, not a pass/fail gate of the suite.
 
-Fairness: the same model folder, float32, greedy, `ignore_eos` everywhere (every row yields exactly
-max_tokens tokens, so output counts and tokens per second compare), the same thread count, the same token
-budget per step and at most 256 sequences per step, the same prompt token ids, and, where a workload fixes
-one, the same KV pool in tokens. Engines run one at a time as child processes. Prompt tokens computed are
-counted at each engine's own KV block size (vLLM's CPU attention needs a multiple of 32; batchprefill runs
-at its default 16), and each is compared with the ideal at its own block size.
+Fairness: the same model folder, the same precision (`--dtype`, float32 by default), greedy, `ignore_eos`
+everywhere (every row yields exactly max_tokens tokens, so output counts and tokens per second compare), the
+same thread count, the same token budget per step and at most 256 sequences per step, the same prompt token
+ids, and, where a workload fixes one, the same KV pool in tokens. Engines run one at a time as child
+processes. Prompt tokens computed are counted at each engine's own KV block size (vLLM's CPU attention needs a
+multiple of 32; batchprefill runs at its default 16), and each is compared with the ideal at its own block size.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def run_batchprefill(path: Path, work: Path, label: str, max_tokens: int, pool: 
     subprocess.run(["rm", "-rf", str(out)], check=True)
     settings = {
         "data.input": path, "output.dir": out, "sampling.max_tokens": max_tokens, "sampling.ignore_eos": "true",
-        "data.chat_template": "false", "model.dtype": "float32", "engine.kv_cache_tokens": pool,
+        "data.chat_template": "false", "model.dtype": args.dtype, "engine.kv_cache_tokens": pool,
         "engine.num_threads": args.threads, "engine.max_batched_tokens": args.max_batched_tokens,
         "engine.max_num_seqs": 256, "engine.block_size": 16, "output.progress": "false", **overrides,
     }
@@ -207,7 +207,7 @@ def run_row(workload: wl.Workload, case: dict, label: str, overrides: dict | Non
     elif peer == "vllm":
         row = run_peer("peer_vllm.py", args.vllm_python, path, work, tag,
                        ["--max-tokens", str(workload.max_tokens), "--pool-tokens", str(pool),
-                        "--max-batched-tokens", str(args.max_batched_tokens)],
+                        "--max-batched-tokens", str(args.max_batched_tokens), "--dtype", args.dtype],
                        env={"OMP_NUM_THREADS": str(args.threads)})
     else:
         row = run_peer("peer_hf.py", sys.executable, path, work, tag,
@@ -274,6 +274,8 @@ def main() -> None:
     parser.add_argument("--hf", default="unshared", help="workloads that also run HF transformers (slow); '' none")
     parser.add_argument("--rows", type=int, help="keep only the first ROWS prompts of each workload (a smoke test)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="both engines' precision (bfloat16 where lscpu shows amx)")
     parser.add_argument("--quiet-wait", type=float, default=QUIET_WAIT, help="seconds; 0 starts each run at once")
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
     parser.add_argument("--report", type=Path, help="only print the tables of a results file written by --out")
@@ -288,7 +290,7 @@ def main() -> None:
 
     names = ["shared"] if args.only == "orders" else None if args.only == "all" else args.only.split(",")
     folder = wl_folder()
-    meta = {"command": " ".join(sys.argv), "threads": args.threads, "cpus": os.cpu_count(),
+    meta = {"command": " ".join(sys.argv), "threads": args.threads, "cpus": os.cpu_count(), "dtype": args.dtype,
             "max_batched_tokens": args.max_batched_tokens, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     cases = []
     for workload in wl.all_workloads():

@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--outputs", type=Path)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--n", type=int, default=1, help="samples per prompt; n > 1 samples at temperature 1")
     args = parser.parse_args()
 
@@ -58,7 +59,7 @@ def main() -> None:
 
     ids, prompts = read_prompts(args.input, args.model)
     llm = LLM(
-        model=str(args.model), dtype="float32", enforce_eager=True, seed=0,
+        model=str(args.model), dtype=args.dtype, enforce_eager=True, seed=0,
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=True,
         block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=min(args.max_model_len, args.pool_tokens),

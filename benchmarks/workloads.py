@@ -153,7 +153,10 @@ def ideal_computed_tokens(ids: list[list[int]], block_size: int) -> int:
     """Prompt tokens an ideal prefix cache must compute at `block_size`: in prefix order, each prompt reuses
     the full blocks it shares with its predecessor, and computes at least one token. No order and no cache
     of any size does better, so this is the floor every engine is compared with."""
-    from batchprefill.pipeline.order import prefix_order, reusable_tokens
+    try:
+        from batchprefill.pipeline.order import prefix_order, reusable_tokens
+    except ImportError:  # a checkout before the pipeline folder, measured with this harness
+        from batchprefill.order import prefix_order, reusable_tokens
 
     order = prefix_order(ids, [""] * len(ids))
     ordered = [ids[i] for i in order]
