@@ -19,6 +19,7 @@ from batchprefill.engine.config import EngineSettings
 from batchprefill.errors import JobError
 from batchprefill.io.columns import Columns
 from batchprefill.io.formats import FORMATS, input_format
+from batchprefill.pooling_params import POOLINGS, PoolingParams
 from batchprefill.sampling_params import SamplingParams
 from batchprefill.tasks import Task, get_task
 
@@ -50,6 +51,7 @@ class ModelSettings:
     path: str | None  # null = the shipped GGUF
     dtype: str  # auto | float32 | bfloat16 | float16
     adapter: str | None
+    pooling: PoolingParams = PoolingParams()  # model.pooling and model.normalize (task=embed)
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,10 @@ def _sharding(count: int | None, index: int | None) -> Sharding:
 
 def _model(cfg: DictConfig) -> ModelSettings:
     m = cfg.model
-    return ModelSettings(name=str(m.name), path=m.path, dtype=str(m.dtype), adapter=m.adapter)
+    pooling = str(m.get("pooling", "last"))
+    _require(pooling in POOLINGS, f"model.pooling={pooling!r}: choose {' or '.join(POOLINGS)}")
+    return ModelSettings(name=str(m.name), path=m.path, dtype=str(m.dtype), adapter=m.adapter,
+                         pooling=PoolingParams(pooling, bool(m.get("normalize", True))))
 
 
 def _engine(cfg: DictConfig) -> EngineSettings:

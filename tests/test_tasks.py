@@ -39,11 +39,11 @@ def job_settings(*overrides: str) -> JobSettings:
 def test_an_unknown_task_is_a_one_line_error_naming_the_registered_tasks(monkeypatch):
     with pytest.raises(JobError) as error:
         get_task("x")
-    assert str(error.value) == "task='x': choose generate or score"
+    assert str(error.value) == "task='x': choose generate, score, embed or classify"
     monkeypatch.setitem(TASKS, PromptLength.name, PromptLength())
     with pytest.raises(JobError) as error:
-        job_settings("task=embed", "output.dir=unused")
-    assert str(error.value) == "task='embed': choose generate, score or prompt_length"
+        job_settings("task=rerank", "output.dir=unused")
+    assert str(error.value) == "task='rerank': choose generate, score, embed, classify or prompt_length"
 
 
 def test_a_task_defined_here_runs_a_job_and_writes_its_column(tmp_path, tokenizer, monkeypatch):

@@ -1,10 +1,11 @@
 """The engine loop: schedule a step, run it, sample, fork, finish requests, record statistics.
 
-One forward pass serves three kinds of rows: sampled rows (one per sequence whose prompt is done), the rows
-that readouts read (a request's own positions: task=score's choices), and the log-probabilities of sampled
-tokens where asked. A parent whose prompt completes in a step forks its children right after it: n-sample
-children draw their first token from the parent's logits of this very step, so the prompt is computed once
-for all of them.
+One forward pass serves four kinds of rows: sampled rows (one per sequence whose prompt is done and that samples),
+the rows whose logits readouts read (a request's own positions: task=score's choices), the rows whose final-norm
+hidden states state readouts read (task=embed, task=classify: no LM head runs for them), and the
+log-probabilities of sampled tokens where asked. A request that samples nothing is done when its prompt is.
+A parent whose prompt completes in a step forks its children right after it: n-sample children draw their first
+token from the parent's logits of this very step, so the prompt is computed once for all of them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from batchprefill.engine.counters import EngineCounters, StepStats
 from batchprefill.engine.input_batch import ForwardInputs
 from batchprefill.engine.logprobs import append_logprobs, top_logprobs
 from batchprefill.engine.model_runner import ModelRunner
-from batchprefill.engine.readout import StepReads, step_reads
+from batchprefill.engine.readout import StepReads, step_reads, step_states
 from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import fork_sampling
 from batchprefill.engine.scheduler import Scheduler
@@ -55,12 +56,14 @@ class Engine:
         # Set by the first request that asks: until then no step looks for forks, readout rows or logprobs.
         self.forking = False
         self.readouts = False
+        self.state_readouts = False
         self.logprobs = False
 
     def add(self, request: Request) -> None:
         need = max(r.num_prompt_tokens + r.sampling.max_tokens for r in (request, *request.forks))
         self.forking |= bool(request.forks)
         self.readouts |= request.readout is not None
+        self.state_readouts |= request.readout is not None and request.readout.states is not None
         self.logprobs |= request.sampling.logprobs is not None  # 0: the sampled token's alone
         if need > self.capacity:
             request.error = (f"needs up to {need} KV slots (prompt + sampling.max_tokens, or context + choice) "
@@ -101,31 +104,41 @@ class Engine:
         if step.chunks:
             inputs = self.runner.prepare(step)
             reads = step_reads(step.chunks, inputs.query_start) if self.readouts else None
+            states = step_states(step.chunks, inputs.query_start) if self.state_readouts else None
             masks = self.structured.start(step, inputs.sampled) if self.structured is not None else None
             sampled = [step.chunks[index].request for index in inputs.sampled.tolist()]
             clock.append(time.perf_counter())
-            if self._greedy_only(inputs, sampled, reads):
+            if states is None and sampled and self._greedy_only(inputs, sampled, reads):
                 tokens = self.runner.greedy_tokens(inputs)  # the forward, which picks them on the way
                 logits = raw = tops = None
                 clock.append(time.perf_counter())
             else:
-                logits = self.runner.forward(inputs, None if reads is None else reads.rows)
+                extra = None if reads is None else reads.rows
+                if states is None and sampled:
+                    logits = self.runner.forward(inputs, extra)
+                else:  # hidden states read, or no row samples: the LM head makes only the logits read
+                    logits, hidden = self.runner.forward_with_states(
+                        inputs, extra, np.zeros(0, np.int64) if states is None else states.rows)
+                    if states is not None:
+                        states.record(hidden, self.runner.sequence_head)
                 clock.append(time.perf_counter())
                 num_sampled = len(inputs.logits_rows)
                 if reads is not None:
                     reads.record(logits[num_sampled:])
                     logits = logits[:num_sampled]
                 raw = logits
-                if masks is not None:  # logprobs stay the raw distribution: keep it apart only when both are asked
+                if masks is not None and sampled:  # logprobs stay the raw distribution: kept apart when both asked
                     raw = logits.clone() if self.logprobs else logits
                     self.structured.mask(logits, masks)
-                tokens = self.runner.sample(logits, inputs.sampling)
-                tops = self._logprobs(raw, tokens, sampled)
+                tokens = self.runner.sample(logits, inputs.sampling) if sampled else np.zeros(0, np.int64)
+                tops = self._logprobs(raw, tokens, sampled) if sampled else None
             clock.append(time.perf_counter())
             self.scheduler.commit(step)
             if self.forking:
                 self._fork(logits, raw, sampled, finished)
-            if tops is None and self.structured is None and not self.readouts:
+            if inputs.prefilled.size:
+                self._prefilled([step.chunks[index].request for index in inputs.prefilled.tolist()], finished)
+            if tops is None and self.structured is None:
                 self._append_all(sampled, tokens.tolist(), finished)
             else:
                 self._append_each(sampled, tokens.tolist(), tops, finished)
@@ -134,8 +147,25 @@ class Engine:
         self._record(step, clock, finished)
         return finished
 
+    def _prefilled(self, requests: list[Request], finished: list[Request]) -> None:
+        """Requests that sample nothing and whose prompt this step completed: each forks its children (they share
+        its blocks; copies of its partial block are made before the next pass), then is done, its readout saying
+        which request returns as the row's result (a request without a readout ends with `length`)."""
+        copies = []
+        for request in requests:
+            if request.forks:
+                copies += self.scheduler.fork(request)
+        self.runner.copy_blocks(copies)
+        for request in requests:
+            self._done(request)
+            if request.readout is None:
+                self._finish(request, "length", "")
+                finished.append(request)
+            elif (row := request.readout.finish(request)) is not None:
+                finished.append(row)
+
     def _append_all(self, requests: list[Request], tokens: list[int], finished: list[Request]) -> None:
-        """A step's tokens when no row has a readout, is constrained or records logprobs (the usual decode step): one
+        """A step's tokens when no row is constrained or records logprobs (the usual decode step): one
         tight loop appends them, and only a request that may end now (an EOS token, stop strings to look for,
         its length limit reached) goes through `_ends`, which decides as `_append` always did. On
         benchmarks/host_overhead.py (255 rows, one thread, a loaded machine) bookkeeping went from 0.63-0.68 to
@@ -152,15 +182,9 @@ class Engine:
 
     def _append_each(self, sampled: list[Request], tokens: list[int], tops: np.ndarray | None,
                      finished: list[Request]) -> None:
-        """A step's tokens, row by row, with what readouts, logprobs and grammars add."""
+        """A step's tokens, row by row, with what logprobs and grammars add."""
         verdicts = self.structured.advance(sampled, tokens) if self.structured is not None else None
         for position, (request, token) in enumerate(zip(sampled, tokens)):
-            if request.readout is not None:
-                self._done(request)
-                row = request.readout.finish(request)
-                if row is not None:
-                    finished.append(row)
-                continue
             if tops is not None and request.sampling.logprobs is not None:
                 append_logprobs(request.output_logprobs, request.output_top_logprobs, tops[position],
                                 request.sampling.logprobs)

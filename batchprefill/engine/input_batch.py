@@ -32,6 +32,9 @@ class ForwardInputs:
     logits_rows: np.ndarray  # [R] int64: the flat-batch row of each sequence that samples this step
     sampled: np.ndarray  # [R] int64: which chunks of the step those are
     sampling: SamplingBatch  # their sampling settings, one entry per logits row
+    # Chunks that complete their prompt this step and sample nothing (max_tokens 0: a readout's request): they get
+    # no logits row, so a prefill-only step never runs the LM head.
+    prefilled: np.ndarray
 
     @property
     def is_decode_only(self) -> bool:
@@ -48,6 +51,7 @@ class InputBatch:
         self.top_p = np.ones(max_num_seqs, dtype=np.float32)
         self.keys = np.zeros(max_num_seqs, dtype=np.uint64)
         self.num_outputs = np.zeros(max_num_seqs, dtype=np.int64)
+        self.samples = np.ones(max_num_seqs, dtype=bool)  # max_tokens > 0: it samples after its prompt
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     def release(self, request: Request) -> None:
@@ -62,6 +66,7 @@ class InputBatch:
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
+        self.samples[row] = params.max_tokens > 0
         self.keys[row] = request_key(params.seed, request.request_id, request.sample_index)
         self.num_outputs[row] = len(request.output_token_ids)
         self.num_blocks[row] = 0
@@ -113,7 +118,9 @@ class InputBatch:
         size = self.block_size
         slots = self.block_table[token_rows, positions // size].astype(np.int64) * size + positions % size
         seq_lens = starts_a + counts_a
-        sampled = np.flatnonzero(seq_lens == np.array(totals, dtype=np.int64))
+        complete = seq_lens == np.array(totals, dtype=np.int64)
+        samples = self.samples[rows_a]
+        sampled = np.flatnonzero(complete & samples)
         sampled_rows = rows_a[sampled]
         sampling = SamplingBatch(self.temperature[sampled_rows], self.top_k[sampled_rows], self.top_p[sampled_rows],
                                  self.keys[sampled_rows], self.num_outputs[sampled_rows])
@@ -122,5 +129,5 @@ class InputBatch:
             input_ids=np.array(ids, dtype=np.int64), positions=positions, slot_mapping=slots,
             query_start=query_start.astype(np.int32), seq_lens=seq_lens.astype(np.int32),
             block_tables=self.block_table[rows_a, :width], logits_rows=query_start[1:][sampled] - 1,
-            sampled=sampled, sampling=sampling,
+            sampled=sampled, sampling=sampling, prefilled=np.flatnonzero(complete & ~samples),
         )

@@ -50,6 +50,24 @@ class ModelRunner:
                                     inputs.block_tables)
         return self._run(inputs, rows, greedy=False)
 
+    def forward_with_states(self, inputs: ForwardInputs, extra_rows: np.ndarray | None,
+                            state_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits `[R + E, vocab]` as `forward` makes them, and the final-norm hidden states `[S, hidden]` at
+        `state_rows`, from one pass. With no logits row (a prefill-only step) the LM head does not run at all."""
+        rows = [inputs.logits_rows] if extra_rows is None else [inputs.logits_rows, extra_rows]
+        normed = self._hidden(inputs, np.concatenate([*rows, state_rows]))
+        split = len(normed) - len(state_rows)
+        head = self.model.lm_head
+        if split:
+            logits = head.logits(normed[:split])
+        else:
+            logits = torch.empty(0, head.vocab if head else 0, device=normed.device)
+        return logits, normed[split:]
+
+    def sequence_head(self, states: torch.Tensor) -> torch.Tensor:
+        """The model's sequence-classification head on final-norm hidden rows (model/heads.py)."""
+        return self.model.score_head(states)
+
     def greedy_tokens(self, inputs: ForwardInputs) -> np.ndarray:
         """The greedy token of every sampled row `[R]`, for a step where that is all anything reads of the logits
         (the engine decides). With `fused_greedy` the model picks them vocabulary chunk by chunk and the logits
@@ -60,6 +78,13 @@ class ModelRunner:
         return self._run(inputs, inputs.logits_rows, greedy=True).numpy()
 
     def _run(self, inputs: ForwardInputs, rows: np.ndarray, greedy: bool) -> torch.Tensor:
+        return self.model(*self._model_inputs(inputs, rows), greedy=greedy)
+
+    def _hidden(self, inputs: ForwardInputs, rows: np.ndarray) -> torch.Tensor:
+        return self.model.final_hidden(*self._model_inputs(inputs, rows))
+
+    def _model_inputs(self, inputs: ForwardInputs, rows: np.ndarray) -> tuple:
+        """(ids, positions, kv caches, attention metadata, rows) on the device, as the model takes them."""
         ids, positions, slots, query_start, seq_lens, tables, rows = self._to_device(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start, inputs.seq_lens,
             inputs.block_tables, rows)
@@ -68,7 +93,7 @@ class ModelRunner:
             block_tables=tables.to(torch.int32), slot_mapping=slots,
             query_lens_host=np.diff(inputs.query_start).tolist(), seq_lens_host=inputs.seq_lens.tolist(),
         )
-        return self.model(ids, positions, self.kv_caches, meta, rows, greedy=greedy)
+        return ids, positions, self.kv_caches, meta, rows
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write for forks: each (source, target) block's K and V, in every layer, in one op per tensor."""

@@ -72,8 +72,11 @@ class PrefixCache:
         """Cached blocks of the request's longest cached prefix, and whether the first block it must compute is
         in flight (another request computes it now).
 
-        At least one token is always left to compute: its logits give the first output token.
+        At least one token is always left to compute: its logits give the first output token. A request that
+        does not reuse a prefix (`reuse_prefix`) finds none and waits for none.
         """
+        if not request.reuse_prefix:
+            return [], False
         matchable = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []
         for key in self.keys(request, matchable)[:matchable]:

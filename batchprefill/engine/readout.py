@@ -1,8 +1,11 @@
 """A step's readout rows: the flat-batch positions whose logits requests read instead of sampling (request.Readout),
-and the one pass that turns those logits into each target token's log-probability and greedy flag."""
+and the one pass that turns those logits into each target token's log-probability and greedy flag; and the rows
+whose final-norm hidden states state readouts read (request.StateReadout), with the sequence head on those that
+ask for it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,3 +53,47 @@ def step_reads(chunks: list[ScheduledChunk], query_start: np.ndarray) -> StepRea
     if not rows:
         return None
     return StepReads(np.array(rows, np.int64), np.array(targets, np.int64), readers)
+
+
+@dataclass
+class StepStates:
+    """The flat-batch rows whose final-norm hidden states state readouts read this step (request.StateReadout)."""
+
+    rows: np.ndarray  # [E] int64 rows of the flat batch
+    readers: list[tuple[Request, list[int], int]]  # (request, the positions it selected, its first entry in rows)
+
+    def record(self, states: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Hand each reader its rows: the hidden states, or `head` of them for readers that read the head, applied
+        once to those rows together. One host copy each."""
+        hidden = states.float().cpu().numpy()
+        heads = [(r, p, b) for r, p, b in self.readers if r.readout.states == "head"]
+        head_values = None
+        if heads:
+            picks = torch.from_numpy(np.concatenate([np.arange(b, b + len(p)) for _, p, b in heads]))
+            head_values = head(states[picks.to(states.device)]).cpu().numpy()
+        offset = 0
+        for request, positions, begin in self.readers:
+            if request.readout.states == "head":
+                values, offset = head_values[offset : offset + len(positions)], offset + len(positions)
+            else:
+                values = hidden[begin : begin + len(positions)]
+            request.readout.record_states(positions, values)
+
+
+def step_states(chunks: list[ScheduledChunk], query_start: np.ndarray) -> StepStates | None:
+    """What the step's state readouts select, chunk by chunk in the flat batch's order; None when nothing."""
+    rows: list[int] = []
+    readers: list[tuple[Request, list[int], int]] = []
+    for chunk, begin in zip(chunks, query_start.tolist()):
+        request = chunk.request
+        readout = request.readout
+        if readout is None or readout.states is None:
+            continue
+        start = request.num_computed_tokens
+        positions = readout.select_states(request, start, start + chunk.num_tokens)
+        if positions:
+            readers.append((request, positions, len(rows)))
+            rows += [begin + position - start for position in positions]
+    if not rows:
+        return None
+    return StepStates(np.array(rows, np.int64), readers)

@@ -44,6 +44,9 @@ class Request:
     # On benchmarks/host_overhead.py (1,500 shared tokens per prompt) hashing was most of the scheduler's time.
     prefix_donor: Request | None = None
     donor_blocks: int = 0
+    # False for a request that reads every prompt position's hidden state (mean pooling): cached blocks hold KV,
+    # not those states, so it takes no prefix from the cache and computes its whole prompt.
+    reuse_prefix: bool = True
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,7 +82,12 @@ class Readout(Protocol):
     step's positions it reads, computes all their targets' log-probabilities in one pass, and hands them back.
 
     A request with a readout samples nothing (its max_tokens is 0): it is done once its prompt is computed, and
-    its children that carry one are computed for their readouts, never sampled and never rows of their own."""
+    its children that carry one are computed for their readouts, never sampled and never rows of their own.
+    A readout whose `states` is set reads hidden states as well (StateReadout)."""
+
+    # None, or what it reads of the final-norm hidden states: "hidden" (the states) or "head" (the model's
+    # sequence head on them: a classifier's logits).
+    states: str | None
 
     def select(self, request: Request, start: int, stop: int) -> tuple[list[int], list[int]]:
         """Of `request`'s positions start..stop (those this step computes), the ones whose logits it reads, and
@@ -97,6 +105,19 @@ class Readout(Protocol):
 
     def row_prompt_tokens(self, request: Request) -> int:
         """The prompt tokens `request`'s row reports (task=score: the context and every choice)."""
+        ...
+
+
+class StateReadout(Readout, Protocol):
+    """A readout of final-norm hidden states (task=embed, task=classify): no logits over the vocabulary are made
+    for its positions, only the hidden rows (or the sequence head's outputs) it selects."""
+
+    def select_states(self, request: Request, start: int, stop: int) -> list[int]:
+        """Of `request`'s positions start..stop (computed this step), the ones whose states it reads."""
+        ...
+
+    def record_states(self, positions: list[int], values: np.ndarray) -> None:
+        """Float32 `[len(positions), width]`: the hidden states (or head outputs) at `positions`, in order."""
         ...
 
 

@@ -43,6 +43,10 @@ class ModelConfig:
     norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + weight): 1 in Gemma
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
     hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_pytorch_tanh
+    # What the folder has on the final norm (model/heads.py): "lm" (causal LM), "none" (a base model's hidden
+    # states only) or "score" (sequence classification, `num_labels` outputs).
+    head: str = "lm"
+    num_labels: int = 0
 
     def window(self, layer: int) -> int | None:
         """The sliding window of one layer: its queries see their last `window` positions, themselves included."""

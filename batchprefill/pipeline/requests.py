@@ -52,7 +52,8 @@ def load_partition(job: JobSettings, task: Task, prepared: Prepared, part: int, 
     order, token_ids, namespaces = run.order, run.token_ids, run.namespaces
     rows = table[ROW].take(order).to_pylist()
     settings = [sampling.settings[i] for i in sampling.index[order].tolist()]
-    requests = task.requests(OrderedRows(table, order, rows, token_ids.to_pylist(), namespaces.to_pylist(), settings))
+    requests = task.requests(OrderedRows(table, order, rows, token_ids.to_pylist(), namespaces.to_pylist(), settings,
+                                         job.model.pooling))
     table = table.drop_columns(list(task.internal_columns))
     link_prefix_donors(requests, shared_with_previous(token_ids, namespaces, block_size))
     errors = [(i, message) for i, message in enumerate(sampling.errors) if message is not None]

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from batchprefill.errors import JobError
 from batchprefill.tasks.base import Task
+from batchprefill.tasks.classify import Classify
+from batchprefill.tasks.embed import Embed
 from batchprefill.tasks.generate import Generate
 from batchprefill.tasks.score import Score
 
-TASKS: dict[str, Task] = {task.name: task for task in (Generate(), Score())}
+TASKS: dict[str, Task] = {task.name: task for task in (Generate(), Score(), Embed(), Classify())}
 
 
 def get_task(name: str) -> Task:

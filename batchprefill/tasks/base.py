@@ -17,6 +17,7 @@ import pyarrow as pa
 from batchprefill.engine.request import Request
 from batchprefill.io.columns import Columns
 from batchprefill.model.tokenizer import PromptTokenizer
+from batchprefill.pooling_params import PoolingParams
 from batchprefill.sampling_params import SamplingParams
 
 
@@ -44,10 +45,14 @@ class OrderedRows:
     token_ids: list[list[int]]
     namespaces: list[str]
     sampling: list[SamplingParams]  # each row's: the job's, with the row's per-request columns
+    pooling: PoolingParams = PoolingParams()  # the job's model.pooling and model.normalize
 
 
 class Task(Protocol):
     name: str  # its `task=` value
+    # The head the model folder must have (model/heads.py: "lm", "score"), None for any folder: a folder whose head
+    # does not fit stops the job before any prompt runs.
+    head: str | None
     # The data.* keys of the input columns it reads besides the prompt, each with what the column holds: the job
     # needs every one set (settings puts them in Columns.task_columns), and a format with fixed columns has none.
     input_columns: tuple[tuple[str, str], ...]

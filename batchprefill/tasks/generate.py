@@ -12,6 +12,7 @@ from batchprefill.tasks.base import OrderedRows, PromptBatch
 
 class Generate:
     name = "generate"
+    head = "lm"
     input_columns: tuple[tuple[str, str], ...] = ()
     internal_columns: tuple[str, ...] = ()
 

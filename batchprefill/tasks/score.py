@@ -13,6 +13,7 @@ preempted and recomputed, or that waits and recomputes what the cache lost, give
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -42,6 +43,7 @@ class ChoiceScores:
     """One row's choices (token ids after the context) and each choice token's log-probability and greedy flag;
     the readout of the row's context request, which reads the first token of every choice."""
 
+    states: ClassVar[None] = None  # logits only
     context_len: int
     choices: list[list[int]]
     logprobs: list[np.ndarray]
@@ -97,6 +99,7 @@ class ChoiceScores:
 class ChoiceReadout:
     """The readout of the child that scores choice `index`: every token of the choice but the first."""
 
+    states: ClassVar[None] = None
     scores: ChoiceScores
     index: int
 
@@ -185,6 +188,7 @@ def _choices_error(choices) -> str | None:
 
 class Score:
     name = "score"
+    head = "lm"
     input_columns = (("choices_column", "the column of choices"),)
     internal_columns = (CHOICES,)
 

@@ -6,8 +6,10 @@ Adding a family means adding a file beside this one that defines `FAMILY`, and l
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
+from batchprefill.model import heads
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.families import gemma3, llama, mistral, mixtral, phi3, qwen3, qwen3_moe
 from batchprefill.model.families.base import Family
@@ -24,12 +26,16 @@ class UnsupportedArchitecture(ValueError):
 def family_for(architecture: str) -> Family:
     if architecture not in ARCHITECTURES:
         raise UnsupportedArchitecture(
-            f"architecture {architecture} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+            f"architecture {architecture} is not supported; supported: {', '.join(sorted(ARCHITECTURES))} "
+            "(each also as *Model and *ForSequenceClassification)")
     return ARCHITECTURES[architecture]
 
 
 def read_config(folder: Path) -> ModelConfig:
-    """The ModelConfig of an HF folder, parsed by its family; a file with no `architectures` is Llama."""
+    """The ModelConfig of an HF folder, parsed by its family's causal LM, with the folder's head (model/heads.py);
+    a file with no `architectures` is Llama."""
     raw = json.loads((Path(folder) / "config.json").read_text())
-    architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
-    return family_for(architecture).config(raw, architecture)
+    architecture, head = heads.split_architecture((raw.get("architectures") or ["LlamaForCausalLM"])[0],
+                                                  ARCHITECTURES)
+    config = family_for(architecture).config(raw, architecture)
+    return replace(config, head=head, num_labels=heads.num_labels(raw) if head == heads.SCORE else 0)

@@ -1,0 +1,48 @@
+"""task=embed: one vector per row from the final-norm hidden states (`model.pooling` last or mean,
+`model.normalize`), the shared prefix computed once as for any prompt (tasks/pooled.py says what mean costs).
+
+Any folder serves it: a base-model folder (`Qwen3Model`, `LlamaModel`: an embedding model's weights, no LM head), a
+causal LM or a classifier. Decoder embedding models such as Qwen3-Embedding pool the last token, with an
+instruction prefix that every query shares: under prefix ordering that prefix is one group's shared blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from batchprefill.engine.request import Request
+from batchprefill.sampling_params import SamplingParams
+from batchprefill.tasks.base import OrderedRows, PromptBatch
+from batchprefill.tasks.pooled import ROW_FIELDS, check_one_sample, pooled_requests, pooled_state
+
+EMBEDDING = pa.field("embedding", pa.list_(pa.float32()))
+
+
+class Embed:
+    name = "embed"
+    head = None  # every folder has final-norm hidden states
+    input_columns: tuple[tuple[str, str], ...] = ()
+    internal_columns: tuple[str, ...] = ()
+
+    def check(self, sampling: SamplingParams) -> None:
+        check_one_sample(self.name, sampling)
+
+    def max_prompt_tokens(self, context: int, max_tokens: int) -> int:
+        return context  # nothing is sampled after the prompt
+
+    def tokenize(self, batch: PromptBatch) -> tuple[pa.ListArray, dict[str, pa.Array]]:
+        return batch.prompt_tokens(batch.texts), {}
+
+    def requests(self, rows: OrderedRows) -> list[Request]:
+        return pooled_requests(rows, "hidden", mean=rows.pooling.kind == "mean", normalize=rows.pooling.normalize)
+
+    def kv_tokens(self, prompt_tokens: int, output_tokens: int, samples: int) -> int:
+        return prompt_tokens
+
+    def result_fields(self, samples: bool, logprobs: bool) -> list[pa.Field]:
+        return [*ROW_FIELDS, EMBEDDING]
+
+    def result_columns(self, request: Request) -> dict:
+        state = pooled_state(request)
+        return {} if state is None else {"embedding": state.pooled().astype(np.float32).tolist()}
