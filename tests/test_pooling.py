@@ -231,3 +231,43 @@ def test_two_shards_of_a_classify_job_merge_to_every_row_once(model_folder, tmp_
     rows = pq.read_table(out / "results", columns=["id", "class_logits"]).to_pylist()
     assert sorted(row["id"] for row in rows) == [f"e{i:03d}" for i in range(24)]
     assert all(len(row["class_logits"]) == 2 for row in rows)
+
+
+def openai_lines(path: Path) -> Path:
+    lines = [{"custom_id": "chat", "url": "/v1/chat/completions",
+              "body": {"model": "m", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}},
+             {"custom_id": "vec", "url": "/v1/embeddings", "body": {"model": "m", "input": "Embed this sentence"}},
+             {"custom_id": "vec2", "url": "/v1/embeddings", "body": {"model": "m", "input": ["Embed this one"]}},
+             {"custom_id": "nothing", "url": "/v1/embeddings", "body": {"model": "m"}}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_openai_embeddings_lines_beside_chat_lines_get_embeddings_objects_and_a_base_model_errs_on_chat_only(
+        model_folder, tokenizer, tmp_path):
+    """A causal LM serves both kinds of line; a base-model folder answers the embeddings lines and gives the chat
+    line its own error. A body without input is a bad line either way."""
+    data = openai_lines(tmp_path / "batch.jsonl")
+    base, causal = tmp_path / "base", tmp_path / "causal"
+    reference = save(BASE["qwen3"], "qwen3", base, model_folder)
+    save(transformers.LlamaForCausalLM, "llama", causal, model_folder)
+    for folder in (base, causal):
+        shutil.copy(model_folder / "tokenizer_config.json", folder / "tokenizer_config.json")
+    answers = {}
+    for name, folder in (("both", causal), ("base", base)):
+        run(folder, data, tmp_path / name, "data.format=openai_batch")
+        answers[name] = {line["custom_id"]: line for line in map(json.loads, (tmp_path / name / "results.jsonl")
+                                                                .read_text().splitlines())}
+    both, only = answers["both"], answers["base"]
+    assert both["chat"]["response"]["body"]["object"] == "chat.completion"
+    assert only["chat"]["response"] is None and "needs an LM head" in only["chat"]["error"]["message"]
+    for answer in (both, only):
+        assert answer["nothing"]["error"]["code"] == "missing_input"
+        for key, text in (("vec", "Embed this sentence"), ("vec2", "Embed this one")):
+            body = answer[key]["response"]["body"]
+            assert body["object"] == "list" and body["data"][0]["object"] == "embedding"
+            assert body["usage"]["prompt_tokens"] == len(tokenizer.encode_batch([text])[0])
+    ids = tokenizer.encode_batch(["Embed this sentence"])[0]
+    want = unit(hidden_states(reference, ids)[-1])
+    assert np.abs(np.array(only["vec"]["response"]["body"]["data"][0]["embedding"]) - want).max() < 1e-4
+    assert len(both["vec"]["response"]["body"]["data"][0]["embedding"]) == TINY["hidden_size"]

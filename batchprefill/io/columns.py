@@ -21,6 +21,8 @@ class Columns:
     sampling: tuple[str, ...] = ()  # per-request sampling columns (OpenAI batch bodies'; see request_params)
     # The input columns the job's task reads besides the prompt, as (data.* key, column name) (tasks.Task).
     task_columns: tuple[tuple[str, str], ...] = ()
+    # A column naming each row's task (an OpenAI batch line's, from its url): the job's `task` does not apply to it.
+    row_task: str | None = None
 
 
 def check_columns(schema: pa.Schema, columns: Columns, chat_template: bool = False) -> None:

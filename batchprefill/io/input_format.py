@@ -53,6 +53,8 @@ class InputFormat:
     # True: its rows' prompt, messages and id columns are its own, and the keys that would name them (and a
     # task's other columns, as data.choices_column) are not read
     fixed_columns = False
+    # The tasks its rows may name in their own column (Columns.row_task): their result columns are all written.
+    row_tasks: tuple[str, ...] = ()
 
     def default_input(self) -> str:
         """What a job reads when data.input is not given: the shipped sample."""

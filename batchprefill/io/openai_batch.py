@@ -33,6 +33,8 @@ from batchprefill.io.openai_lines import (
     PROMPT,
     SAMPLING_COLUMNS,
     SCHEMA,
+    TASK,
+    URL_TASKS,
     parse_line,
 )
 from batchprefill.io.unique_ids import ROW, IdBuckets
@@ -45,6 +47,7 @@ ID_BUCKET_BYTES, ID_PENDING_BYTES = 1 << 20, 2 << 20
 class OpenAIBatchFormat(InputFormat):
     name, label, suffix = "openai_batch", "JSONL", ".jsonl"
     fixed_columns = True
+    row_tasks = tuple(dict.fromkeys(URL_TASKS.values()))  # a line's url says what it runs
 
     def default_input(self) -> str:
         raise JobError("data.format=openai_batch needs data.input: a JSONL file of OpenAI Batch API requests")
@@ -55,7 +58,7 @@ class OpenAIBatchFormat(InputFormat):
     def columns(self, given: Columns) -> Columns:
         """The reader's own columns, custom_id the id; a namespace and a per-row schema column may still be named."""
         return Columns(prompt=PROMPT, id=ID, system=None, namespace=given.namespace, messages=MESSAGES,
-                       read_error=ERROR_MESSAGE, schema=given.schema,
+                       read_error=ERROR_MESSAGE, schema=given.schema, row_task=TASK,
                        sampling=tuple(field.name for field in SAMPLING_COLUMNS))
 
     def finish_outputs(self, out_dir: Path, model: str, token_text: Callable[[int], str]) -> None:

@@ -12,9 +12,12 @@ import json
 
 import pyarrow as pa
 
-ID, LINE, URL, PROMPT, MESSAGES = "custom_id", "line", "url", "prompt", "messages"
+ID, LINE, URL, PROMPT, MESSAGES, TASK = "custom_id", "line", "url", "prompt", "messages", "task"
 ERROR_CODE, ERROR_MESSAGE = "error_code", "error_message"
-CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+# The task each url's lines run (the row's `task` column; tasks/ names them): the job's `task` does not apply.
+URL_TASKS = {CHAT_URL: "generate", COMPLETIONS_URL: "generate", EMBEDDINGS_URL: "embed"}
 MESSAGE_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 # The per-request sampling columns, and what each means for the engine (null: the job's sampling.* value).
 SAMPLING_COLUMNS = [
@@ -29,7 +32,8 @@ SAMPLING_COLUMNS = [
     pa.field("response_format", pa.string()),  # the response_format object as JSON text (see engine/grammar)
 ]
 SCHEMA = pa.schema([pa.field(ID, pa.string()), pa.field(LINE, pa.int64()), pa.field(URL, pa.string()),
-                    pa.field(PROMPT, pa.string()), pa.field(MESSAGES, MESSAGE_TYPE), *SAMPLING_COLUMNS,
+                    pa.field(TASK, pa.string()), pa.field(PROMPT, pa.string()), pa.field(MESSAGES, MESSAGE_TYPE),
+                    *SAMPLING_COLUMNS,
                     pa.field(ERROR_CODE, pa.string()), pa.field(ERROR_MESSAGE, pa.string())])
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 # body key: (type, lowest, highest) as OpenAI's API accepts them
@@ -68,26 +72,33 @@ def parse_line(number: int, line: bytes) -> dict:
 
 def _request(request: dict) -> dict:
     url = request.get("url")
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise BadLine("invalid_url", f"url {url!r}: only {CHAT_URL} and {COMPLETIONS_URL} are served")
+    if url not in URLS:
+        raise BadLine("invalid_url", f"url {url!r}: only {', '.join(URLS[:-1])} and {URLS[-1]} are served")
     method = request.get("method", "POST")
     if method != "POST":
         raise BadLine("invalid_method", f"method {method!r}: only POST is served")
     body = request.get("body")
     if not isinstance(body, dict):
         raise BadLine("missing_body", "the line has no body object")
-    row: dict = {URL: url}
+    row: dict = {URL: url, TASK: URL_TASKS[url]}
+    if url == EMBEDDINGS_URL:
+        row[PROMPT] = _one_string(body.get("input"), "a /v1/embeddings body needs input (one string)")
+        return row  # nothing is sampled: sampling keys do not apply
     if url == CHAT_URL:
         row[MESSAGES] = _messages(body.get("messages"))
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise BadLine("missing_input", "a /v1/completions body needs prompt (one string)")
-        row[PROMPT] = prompt
+        row[PROMPT] = _one_string(body.get("prompt"), "a /v1/completions body needs prompt (one string)")
     row.update(_sampling(url, body))
     return row
+
+
+def _one_string(value, message: str) -> str:
+    """A body's one input text: a string, or a list holding one."""
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str):
+        raise BadLine("missing_input", message)
+    return value
 
 
 def _messages(messages) -> list[dict]:

@@ -3,7 +3,8 @@
 It is made from `results/*.parquet` rather than while the engine runs, so a resumed run or a merge of Slurm
 shards writes the whole file from whatever runs committed the rows. One line per input line, in input-line
 order: a good line gets `response` (status 200, a `chat.completion` or `text_completion` body with all of its
-`n` choices and usage), a bad line or a row that failed gets `response` null and `error` {code, message}.
+`n` choices and usage, or an embeddings `list` for a /v1/embeddings line), a bad line or a row that failed gets
+`response` null and `error` {code, message}.
 
 Memory: the result columns it needs (texts, counts, logprobs when asked) of the whole job; token ids only
 where logprobs name them.
@@ -23,13 +24,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchprefill.io.openai_lines import CHAT_URL, ERROR_CODE, ERROR_MESSAGE, ID, LINE, URL
+from batchprefill.io.openai_lines import CHAT_URL, EMBEDDINGS_URL, ERROR_CODE, ERROR_MESSAGE, ID, LINE, URL
 
 SAMPLE_INDEX = "sample_index"
 OUTPUT_COUNT = "_completion_tokens"
 NEEDED = [ID, LINE, URL, ERROR_CODE, ERROR_MESSAGE, "logprobs", "output_text", "num_prompt_tokens",
           "num_cached_tokens", "finish_reason", "error"]
-OPTIONAL = [SAMPLE_INDEX, "output_logprobs", "output_top_logprobs"]
+OPTIONAL = [SAMPLE_INDEX, "output_logprobs", "output_top_logprobs", "embedding"]
 
 
 def write_results_jsonl(results_dir: Path, path: Path, model: str, token_text: Callable[[int], str]) -> int:
@@ -90,6 +91,9 @@ def result_line(rows: list[dict], model: str, created: int, token_text: Callable
     if failed is not None:  # a good line the job could not run: too long, a schema that does not compile
         line["error"] = {"code": "request_failed", "message": failed["error"]}
         return line
+    if first[URL] == EMBEDDINGS_URL:
+        line["response"] = {"status_code": 200, "request_id": f"req_{key}", "body": embeddings_body(first, model)}
+        return line
     chat = first[URL] == CHAT_URL
     choices = [_choice(row, index, chat, token_text) for index, row in enumerate(rows)]
     completion_tokens = sum(row[OUTPUT_COUNT] for row in rows)
@@ -102,6 +106,13 @@ def result_line(rows: list[dict], model: str, created: int, token_text: Callable
     }
     line["response"] = {"status_code": 200, "request_id": f"req_{key}", "body": body}
     return line
+
+
+def embeddings_body(row: dict, model: str) -> dict:
+    """OpenAI's embeddings object for a line of one input string."""
+    return {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": row["embedding"]}],
+            "model": model, "usage": {"prompt_tokens": row["num_prompt_tokens"],
+                                      "total_tokens": row["num_prompt_tokens"]}}
 
 
 def _choice(row: dict, index: int, chat: bool, token_text: Callable[[int], str]) -> dict:

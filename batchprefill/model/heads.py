@@ -62,7 +62,15 @@ class ScoreHead:
         return self.linear(hidden).float()
 
 
+def head_mismatch(task: str, needed: str | None, head: str) -> str | None:
+    """Why a model of head `head` cannot run task `task`, which needs head `needed` (None: any head), or None."""
+    if needed is None or needed == head:
+        return None
+    return f"task={task} needs {DESCRIPTION[needed]}; the model has {DESCRIPTION[head]}"
+
+
 def check_head(task: str, needed: str | None, config: ModelConfig, folder: Path) -> None:
-    """A one-line JobError when the folder's head is not the one task `task` needs (`needed`; None: any head)."""
-    if needed is not None and needed != config.head:
-        raise JobError(f"task={task} needs {DESCRIPTION[needed]}; {folder} has {DESCRIPTION[config.head]}")
+    """A one-line JobError when the folder's head is not the one task `task` needs."""
+    problem = head_mismatch(task, needed, config.head)
+    if problem is not None:
+        raise JobError(problem.replace("the model", str(folder)))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchprefill.errors import JobError
-from batchprefill.io.formats import resolve_input
+from batchprefill.io.formats import input_format, resolve_input
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.heads import check_head
 from batchprefill.model.loader import model_identity, read_model_config, resolve_folder
@@ -49,7 +49,8 @@ def open_model(settings: ModelSettings) -> ModelFiles:
 def prepare_job(job: JobSettings) -> Prepared:
     files, fmt = resolve_input(job.data.input, job.data.format)
     model = open_model(job.model)
-    check_head(job.task, get_task(job.task).head, model.config, model.folder)
+    if not input_format(fmt).row_tasks:  # rows that name their own task are checked one by one (requests.py)
+        check_head(job.task, get_task(job.task).head, model.config, model.folder)
     if (job.data.chat_template or job.data.columns.messages) and model.tokenizer.chat_template is None:
         asked = "data.chat_template=true" if job.data.chat_template else "a conversation column"
         raise JobError(f"{asked} needs a chat template, but {model.folder} has none")

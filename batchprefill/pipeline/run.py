@@ -51,7 +51,7 @@ def run_job(job: JobSettings) -> dict:
     engine = build_engine(job, prepared, _tokens_needed(job, task, prepared, mine, output_tokens), structured)
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds,
-                          task.result_fields(job.sampling.n > 1, _may_ask_logprobs(job)))
+                          _result_fields(job, task))
     totals = JobTotals()
     bar = tqdm(total=sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n, desc=job.task,
                unit="req",
@@ -184,10 +184,21 @@ def _record(run: PartitionRun, request: Request, task: Task, writer: ResultWrite
         return  # an earlier run committed this sample
     writer.add(run.table, index, Outcome(
         request.output_text, request.output_token_ids, request.num_row_prompt_tokens,
-        request.num_cached_tokens or 0, request.finish_reason, request.error, task.result_columns(request)))
+        request.num_cached_tokens or 0, request.finish_reason, request.error,
+        run.tasks.get(request.request_id, task).result_columns(request)))
     totals.add_finished(request)
     if run.unfinished == 0:
         totals.add_groups(run.part, run.groups, run.requests)
+
+
+def _result_fields(job: JobSettings, task: Task) -> list:
+    """The job's task's result columns, then those of the tasks its rows may name themselves (an OpenAI batch file's
+    embeddings lines beside its chat lines), each column once."""
+    fields = {}
+    for each in (task, *map(get_task, input_format(job.data.format).row_tasks)):
+        for field in each.result_fields(job.sampling.n > 1, _may_ask_logprobs(job)):
+            fields.setdefault(field.name, field)
+    return list(fields.values())
 
 
 def _may_ask_logprobs(job: JobSettings) -> bool:
