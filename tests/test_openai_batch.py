@@ -42,7 +42,7 @@ def test_each_kind_of_bad_line_gets_its_code_and_the_good_lines_keep_their_param
         "{not json",
         chat_line("a", SYSTEMS[0], QUESTIONS[1]),  # a duplicate custom_id
         {"url": "/v1/completions", "body": {"prompt": "no id"}},
-        {"custom_id": "c", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "c", "url": "/v1/moderations", "body": {"input": "x"}},
         {"custom_id": "d", "url": "/v1/chat/completions", "body": {"max_tokens": 3}},
         chat_line("e", SYSTEMS[0], QUESTIONS[2], temperature="hot"),
         chat_line("f", SYSTEMS[0], QUESTIONS[2], top_logprobs=21),
