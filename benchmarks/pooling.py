@@ -12,7 +12,8 @@ Workloads: `reward`, the `shared` workload's prompts (benchmarks/workloads.py: 3
 questions) with n responses each (20 to 60 words of the same pseudo-English), one row per (prompt, response),
 shuffled; `embed`, the `corpus` workload's doc-QA prompts (120 documents x 3 questions) behind one shared
 instruction prefix, shuffled. Each engine gets the same token ids, the same precision, the same threads
-(--threads), the same step budget (2,048 tokens, 256 sequences) and a KV pool of 65,536 tokens; batchprefill at its
+(--threads), the same step budget (2,048 tokens, 256 sequences) and the same KV pool in tokens (65,536, or a
+fraction of the prefix trie with --pool-fraction, where input order evicts what prefix order keeps); batchprefill at its
 block size 16, vLLM at 32 (its CPU attention needs a multiple of 32). Computed prompt tokens are compared with the
 ideal at each engine's own block size. The engines run one after the other as child processes; wall times are the
 engine's own loop (vLLM: the `classify`/`embed` call; batchprefill: the sum of its steps) and the whole process.
@@ -96,11 +97,11 @@ def write(rows: list[str], path: Path) -> Path:
     return path
 
 
-def run_ours(task: str, data: Path, folder: Path, out: Path, dtype: str, threads: int) -> dict:
+def run_ours(task: str, data: Path, folder: Path, out: Path, dtype: str, threads: int, pool: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     command = [str(Path(sys.executable).parent / "batchprefill-run"), f"task={task}", "model=hf",
                f"model.path={folder}", f"model.dtype={dtype}", f"data.input={data}", f"output.dir={out}",
-               "engine.device=cpu", f"engine.num_threads={threads}", f"engine.kv_cache_tokens={POOL}",
+               "engine.device=cpu", f"engine.num_threads={threads}", f"engine.kv_cache_tokens={pool}",
                "engine.max_batched_tokens=2048", "engine.max_num_seqs=256", "output.progress=false",
                "output.plot=false"]
     start = time.perf_counter()
@@ -115,10 +116,10 @@ def run_ours(task: str, data: Path, folder: Path, out: Path, dtype: str, threads
             "computed_prompt_tokens": job["computed_prompt_tokens"], "errors": job["num_errors"]}
 
 
-def run_vllm(task: str, data: Path, folder: Path, dtype: str, vectors: Path, threads: int) -> dict:
+def run_vllm(task: str, data: Path, folder: Path, dtype: str, vectors: Path, threads: int, pool: int) -> dict:
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0"}
     command = [str(VLLM_PYTHON), str(HERE / "peer_vllm_pooling.py"), "--task", task, "--input", str(data),
-               "--model", str(folder), "--pool-tokens", str(POOL), "--dtype", dtype, "--outputs", str(vectors)]
+               "--model", str(folder), "--pool-tokens", str(pool), "--dtype", dtype, "--outputs", str(vectors)]
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -152,6 +153,9 @@ def main() -> None:
     parser.add_argument("--responses", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--pool-fraction", type=float,
+                        help="a KV pool of this fraction of the prompts' prefix trie (the corpus workload's rule, "
+                             "as benchmarks/workloads.py finalize sets it) instead of 65,536 tokens")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads per engine; 1 on a machine other jobs oversubscribe (there, two threads "
                              "waited for each other on every op: 6 to 16 s against 1.0 s for one 1,000-token step)")
@@ -163,21 +167,24 @@ def main() -> None:
     tokenizer = PromptTokenizer(folders["reward"])
     cases = {"reward": ("classify", reward_rows(args.prompts, args.responses), "class_logits"),
              "embed": ("embed", embed_rows(), "embedding")}
-    report: dict = {"cpu": _cpu(), "dtype": args.dtype, "threads": args.threads, "pool_tokens": POOL,
+    report: dict = {"cpu": _cpu(), "dtype": args.dtype, "threads": args.threads,
                     "note": "the machine was shared with other engineers' jobs: ratios are noisy"}
     for name, (task, rows, column) in cases.items():
         if args.only and name != args.only:
             continue
         data = write(rows, args.work / f"{name}.parquet")
         ids = tokenizer.encode_batch(rows)
-        entry = {"rows": len(rows), "prompt_tokens": sum(map(len, ids)),
+        pool = POOL
+        if args.pool_fraction:
+            pool = wl.finalize(wl.Workload(name, "", rows, 0, -1), ids, args.pool_fraction).kv_pool_tokens
+        entry = {"rows": len(rows), "prompt_tokens": sum(map(len, ids)), "pool_tokens": pool,
                  "ideal_16": wl.ideal_computed_tokens(ids, 16), "ideal_32": wl.ideal_computed_tokens(ids, 32)}
         out = args.work / f"{name}-ours"
-        entry["batchprefill"] = ours = run_ours(task, data, folders[name], out, args.dtype, args.threads)
+        entry["batchprefill"] = ours = run_ours(task, data, folders[name], out, args.dtype, args.threads, pool)
         ours["computed_over_ideal"] = ours["computed_prompt_tokens"] / entry["ideal_16"]
         if not args.skip_vllm:
             vectors = args.work / f"{name}-vllm.json"
-            entry["vllm"] = theirs = run_vllm(task, data, folders[name], args.dtype, vectors, args.threads)
+            entry["vllm"] = theirs = run_vllm(task, data, folders[name], args.dtype, vectors, args.threads, pool)
             if "failed" not in theirs:
                 theirs["computed_over_ideal"] = theirs["computed_prompt_tokens"] / entry["ideal_32"]
                 entry["vllm_over_batchprefill_loop"] = theirs["wall_seconds"] / ours["wall_seconds"]
