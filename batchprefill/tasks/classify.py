@@ -12,9 +12,8 @@ import pyarrow as pa
 
 from batchprefill.engine.request import Request
 from batchprefill.model.heads import SCORE
-from batchprefill.sampling_params import SamplingParams
-from batchprefill.tasks.base import OrderedRows, PromptBatch
-from batchprefill.tasks.pooled import ROW_FIELDS, check_one_sample, pooled_requests, pooled_state
+from batchprefill.tasks.base import OrderedRows
+from batchprefill.tasks.pooled import ROW_FIELDS, PooledTask, pooled_requests, pooled_state
 
 CLASS_FIELDS = [
     pa.field("class_logits", pa.list_(pa.float32())),  # raw, one per label: a one-label reward model's reward
@@ -33,26 +32,12 @@ def class_columns(logits: np.ndarray) -> dict:
             "best_class": int(np.argmax(logits))}
 
 
-class Classify:
+class Classify(PooledTask):
     name = "classify"
     head = SCORE
-    input_columns: tuple[tuple[str, str], ...] = ()
-    internal_columns: tuple[str, ...] = ()
-
-    def check(self, sampling: SamplingParams) -> None:
-        check_one_sample(self.name, sampling)
-
-    def max_prompt_tokens(self, context: int, max_tokens: int) -> int:
-        return context
-
-    def tokenize(self, batch: PromptBatch) -> tuple[pa.ListArray, dict[str, pa.Array]]:
-        return batch.prompt_tokens(batch.texts), {}
 
     def requests(self, rows: OrderedRows) -> list[Request]:
         return pooled_requests(rows, "head")
-
-    def kv_tokens(self, prompt_tokens: int, output_tokens: int, samples: int) -> int:
-        return prompt_tokens
 
     def result_fields(self, samples: bool, logprobs: bool) -> list[pa.Field]:
         return [*ROW_FIELDS, *CLASS_FIELDS]

@@ -12,33 +12,18 @@ import numpy as np
 import pyarrow as pa
 
 from batchprefill.engine.request import Request
-from batchprefill.sampling_params import SamplingParams
-from batchprefill.tasks.base import OrderedRows, PromptBatch
-from batchprefill.tasks.pooled import ROW_FIELDS, check_one_sample, pooled_requests, pooled_state
+from batchprefill.tasks.base import OrderedRows
+from batchprefill.tasks.pooled import ROW_FIELDS, PooledTask, pooled_requests, pooled_state
 
 EMBEDDING = pa.field("embedding", pa.list_(pa.float32()))
 
 
-class Embed:
+class Embed(PooledTask):
     name = "embed"
     head = None  # every folder has final-norm hidden states
-    input_columns: tuple[tuple[str, str], ...] = ()
-    internal_columns: tuple[str, ...] = ()
-
-    def check(self, sampling: SamplingParams) -> None:
-        check_one_sample(self.name, sampling)
-
-    def max_prompt_tokens(self, context: int, max_tokens: int) -> int:
-        return context  # nothing is sampled after the prompt
-
-    def tokenize(self, batch: PromptBatch) -> tuple[pa.ListArray, dict[str, pa.Array]]:
-        return batch.prompt_tokens(batch.texts), {}
 
     def requests(self, rows: OrderedRows) -> list[Request]:
         return pooled_requests(rows, "hidden", mean=rows.pooling.kind == "mean", normalize=rows.pooling.normalize)
-
-    def kv_tokens(self, prompt_tokens: int, output_tokens: int, samples: int) -> int:
-        return prompt_tokens
 
     def result_fields(self, samples: bool, logprobs: bool) -> list[pa.Field]:
         return [*ROW_FIELDS, EMBEDDING]

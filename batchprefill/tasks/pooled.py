@@ -23,7 +23,7 @@ import pyarrow as pa
 from batchprefill.engine.request import Request
 from batchprefill.errors import JobError
 from batchprefill.sampling_params import SamplingParams
-from batchprefill.tasks.base import OrderedRows
+from batchprefill.tasks.base import OrderedRows, PromptBatch
 
 PREFILL_ONLY = SamplingParams(max_tokens=0)  # a pooled request samples nothing
 ROW_FIELDS = [  # in place of the output_* columns
@@ -94,6 +94,23 @@ def pooled_state(request: Request) -> PooledState | None:
     return readout
 
 
-def check_one_sample(task: str, sampling: SamplingParams) -> None:
-    if sampling.n != 1:
-        raise JobError(f"task={task} reads each row once: set sampling.n=1, not {sampling.n}")
+class PooledTask:
+    """What task=embed and task=classify do alike: one prefill-only request per row, its prompt alone tokenized,
+    the whole context open to it (nothing is sampled after), KV for its prompt only, one sample per row."""
+
+    name = ""
+    input_columns: tuple[tuple[str, str], ...] = ()
+    internal_columns: tuple[str, ...] = ()
+
+    def check(self, sampling: SamplingParams) -> None:
+        if sampling.n != 1:
+            raise JobError(f"task={self.name} reads each row once: set sampling.n=1, not {sampling.n}")
+
+    def max_prompt_tokens(self, context: int, max_tokens: int) -> int:
+        return context
+
+    def tokenize(self, batch: PromptBatch) -> tuple[pa.ListArray, dict[str, pa.Array]]:
+        return batch.prompt_tokens(batch.texts), {}
+
+    def kv_tokens(self, prompt_tokens: int, output_tokens: int, samples: int) -> int:
+        return prompt_tokens
