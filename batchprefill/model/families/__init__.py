@@ -37,5 +37,7 @@ def read_config(folder: Path) -> ModelConfig:
     raw = json.loads((Path(folder) / "config.json").read_text())
     architecture, head = heads.split_architecture((raw.get("architectures") or ["LlamaForCausalLM"])[0],
                                                   ARCHITECTURES)
+    if "text_config" in raw:  # Gemma3ForSequenceClassification wraps the multimodal model
+        raise ValueError(f"{raw['architectures'][0]} is a multimodal model; only text models are supported")
     config = family_for(architecture).config(raw, architecture)
     return replace(config, head=head, num_labels=heads.num_labels(raw) if head == heads.SCORE else 0)
