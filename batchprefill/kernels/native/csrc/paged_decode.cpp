@@ -869,12 +869,14 @@ bool takes_tiles(int64_t block, int64_t dim) {
   return kTiles && dim % 32 == 0 && dim <= 128 && block % 16 == 0 && tiles_permitted();
 }
 
+// `tiles`: a bfloat16 model's queries (exact in bfloat16) may walk as tile matmuls; a float32 model's over a
+// bfloat16 pool keeps the float32 walks, which do not round its queries.
 template <typename Cache>
 void run(const float* query, const Cache* k_cache, const Cache* v_cache, const Plan& plan, int64_t block,
-         int64_t kv_heads, int64_t dim, float scale, float* out, int threads) {
+         int64_t kv_heads, int64_t dim, float scale, float* out, int threads, bool tiles = false) {
   const Pool<Cache> pool{k_cache, v_cache, block, kv_heads, dim, kv_heads * dim, block * kv_heads * dim};
   if constexpr (std::is_same_v<Cache, uint16_t>) {
-    if (takes_tiles(block, dim)) return decode_sets_tiles(query, pool, plan, scale, out, threads);
+    if (tiles && takes_tiles(block, dim)) return decode_sets_tiles(query, pool, plan, scale, out, threads);
   }
   if (kWide && dim % 16 == 0) {
     decode_sets<kWide>(query, pool, plan, scale, out, threads);
@@ -901,9 +903,9 @@ void paged_decode_bf16(const float* query, const uint16_t* k_cache, const uint16
                        const int64_t* shared_blocks, const int64_t* rows, const int64_t* own_blocks,
                        const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width,
                        int64_t block, int64_t kv_heads, int64_t per_kv, int64_t dim, float scale, float* out,
-                       int threads) {
+                       int threads, int tiles) {
   const Plan plan{sets, shared_blocks, rows, own_blocks, own_lens, num_sets, shared_width, own_width, per_kv};
-  run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads);
+  run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads, tiles != 0);
 }
 
 // 1 where a bfloat16 pool of this block size and head size runs the tile walks (what the run's summary reports).
