@@ -1,0 +1,138 @@
+"""One live writer per shard of an output.dir: a second run of a shard exits 2 naming the live one before it
+tokenizes anything; a lease whose run is gone (killed on this host, or another host's that stopped renewing) is
+taken over; a run that lost its lease stops before its next commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from batchprefill.errors import JobError
+from batchprefill.pipeline.shard_lock import LEASE_FOLDER, ShardLock
+from tests.conftest import REPO, run_cli
+from tests.test_resume import FAST, input_ids, make_prompts, results_by_id
+
+QUICK = ["sampling.max_tokens=8", "engine.max_num_seqs=4", "output.commit_every_rows=2"]
+LABEL = "output.dir=OUT shard 0 of 1"
+
+
+def lease_path(out: Path, shard: int = 0, shards: int = 1) -> Path:
+    return out / LEASE_FOLDER / f"shard-{shard:04d}-of-{shards:04d}.json"
+
+
+def job_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return [str(Path(sys.executable).parent / "batchprefill-run"), f"data.input={data}", f"output.dir={out}",
+            *FAST, *QUICK, *extra]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return make_prompts(tmp_path_factory.mktemp("input") / "prompts.parquet")
+
+
+# --- the lease, in this process ----------------------------------------------------------------------------------
+
+
+def test_a_second_lock_on_the_same_shard_names_the_live_holder_and_another_shard_is_free(tmp_path):
+    holder = ShardLock(lease_path(tmp_path), LABEL, 120)
+    assert holder.acquire() is None
+    try:
+        with pytest.raises(JobError) as refused:
+            ShardLock(lease_path(tmp_path), LABEL, 120).acquire()
+        since = time.strftime("%Y-%m-%d %H:%M", time.localtime(holder.me.since))
+        assert f"host {socket.gethostname()}, process {os.getpid()}, since {since}" in str(refused.value)
+        other_shard = ShardLock(lease_path(tmp_path, 1, 2), "output.dir=OUT shard 1 of 2", 120)
+        assert other_shard.acquire() is None  # shards of one array write the same folder at once
+        other_shard.release()
+    finally:
+        holder.release()
+    assert not lease_path(tmp_path).exists()
+
+
+def test_a_pid_now_held_by_another_process_is_a_gone_holder_taken_over_at_once(tmp_path):
+    reused = ShardLock(lease_path(tmp_path), LABEL, 120)
+    reused.me = replace(reused.me, process_start="1")  # this pid, but a process that started at boot
+    reused.acquire()
+    taker = ShardLock(lease_path(tmp_path), LABEL, 120)
+    gone = taker.acquire()
+    assert gone is not None and gone.process_start == "1"
+    assert json.loads(lease_path(tmp_path).read_text())["token"] == taker.me.token
+
+
+def test_another_hosts_lease_holds_for_120_s_of_silence_and_is_taken_over_after(tmp_path):
+    remote = ShardLock(lease_path(tmp_path), LABEL, 120, host="node-17")
+    remote.acquire()
+    ours = ShardLock(lease_path(tmp_path), LABEL, 120)
+    old = time.time() - 100
+    os.utime(lease_path(tmp_path), (old, old))
+    with pytest.raises(JobError, match=r"host node-17, process \d+, since .*lease renewed 100 s ago, lapses after 120"):
+        ours.acquire()
+    old = time.time() - 121
+    os.utime(lease_path(tmp_path), (old, old))
+    gone = ours.acquire()
+    assert gone is not None and gone.host == "node-17"
+    remote.renew()  # node-17 comes back: its heartbeat finds the lease taken and it stops before writing
+    with pytest.raises(JobError, match=f"taken over by another run \\(host {socket.gethostname()}"):
+        remote.check()
+
+
+def test_the_heartbeat_renews_a_0_4_s_lease_and_a_run_that_cannot_renew_stops_after_0_2_s(tmp_path):
+    beating = ShardLock(lease_path(tmp_path), LABEL, 0.4)
+    beating.acquire()
+    old = time.time() - 10
+    os.utime(lease_path(tmp_path), (old, old))
+    beating.start_heartbeat()
+    time.sleep(0.5)
+    assert time.time() - lease_path(tmp_path).stat().st_mtime < 0.3
+    beating.check()
+    beating.release()
+    assert not lease_path(tmp_path).exists()
+
+    silent = ShardLock(lease_path(tmp_path), LABEL, 0.4)  # no heartbeat: as if the file system stopped answering
+    silent.acquire()
+    silent.check()
+    time.sleep(0.25)
+    with pytest.raises(JobError, match="could not renew its lease"):
+        silent.check()
+
+
+# --- real runs ---------------------------------------------------------------------------------------------------
+
+
+def test_a_run_of_a_shard_this_process_holds_exits_2_before_tokenizing_naming_host_pid_and_since(data, tmp_path):
+    out = tmp_path / "out"
+    holder = ShardLock(lease_path(out), LABEL, 120)
+    holder.acquire()
+    try:
+        done = run_cli(job_args(data, out))
+    finally:
+        holder.release()
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    since = time.strftime("%Y-%m-%d %H:%M", time.localtime(holder.me.since))
+    assert len(lines) == 1 and f"output.dir={out} shard 0 of 1 is being written by another live run: host " \
+        f"{socket.gethostname()}, process {os.getpid()}, since {since}" in lines[0], done.stderr
+    assert not (out / "partitions").exists() and not (out / "results").exists()
+
+
+def test_two_identical_runs_at_once_one_exits_2_naming_the_other_and_every_id_is_written_once(data, tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
+    jobs = [subprocess.Popen(job_args(data, out), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]
+    done = [(job, *job.communicate(timeout=300)) for job in jobs]
+    statuses = sorted(job.returncode for job, _, _ in done)
+    assert statuses == [0, 2], [stderr[-1000:] for _, _, stderr in done]
+    (winner, _, _), (_, _, refused) = sorted(done, key=lambda d: d[0].returncode)
+    assert re.search(f"is being written by another live run: host {re.escape(socket.gethostname())}, process "
+                     f"{winner.pid}, since ", refused), refused
+    assert sorted(results_by_id(out)) == sorted(input_ids(data))
