@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from batchprefill.errors import JobError
-from batchprefill.pipeline.shard_lock import LEASE_FOLDER, ShardLock
+from batchprefill.pipeline.shard_lock import LEASE_FOLDER, ShardLock, lease_name
+from batchprefill.settings import Sharding
 from tests.conftest import REPO, run_cli
 from tests.test_resume import FAST, input_ids, make_prompts, results_by_id
 
@@ -25,8 +26,15 @@ QUICK = ["sampling.max_tokens=8", "engine.max_num_seqs=4", "output.commit_every_
 LABEL = "output.dir=OUT shard 0 of 1"
 
 
-def lease_path(out: Path, shard: int = 0, shards: int = 1) -> Path:
-    return out / LEASE_FOLDER / f"shard-{shard:04d}-of-{shards:04d}.json"
+ONE = Sharding(num_shards=1, shard_index=0)
+
+
+def lease_path(out: Path, sharding: Sharding = ONE) -> Path:
+    return out / LEASE_FOLDER / lease_name(sharding.shard_index, sharding.num_shards)
+
+
+def lock(out: Path, lease_seconds: float = 120, sharding: Sharding = ONE, host: str | None = None) -> ShardLock:
+    return ShardLock(out / LEASE_FOLDER, sharding, LABEL, lease_seconds, host)
 
 
 def job_args(data: Path, out: Path, *extra: str) -> list[str]:
@@ -42,36 +50,39 @@ def data(tmp_path_factory) -> Path:
 # --- the lease, in this process ----------------------------------------------------------------------------------
 
 
-def test_a_second_lock_on_the_same_shard_names_the_live_holder_and_another_shard_is_free(tmp_path):
-    holder = ShardLock(lease_path(tmp_path), LABEL, 120)
+def test_a_second_lock_on_the_same_shard_names_the_live_holder_and_another_shard_of_its_array_is_free(tmp_path):
+    holder = lock(tmp_path, sharding=Sharding(num_shards=2, shard_index=0))
     assert holder.acquire() is None
     try:
         with pytest.raises(JobError) as refused:
-            ShardLock(lease_path(tmp_path), LABEL, 120).acquire()
+            lock(tmp_path, sharding=Sharding(num_shards=2, shard_index=0)).acquire()
         since = time.strftime("%Y-%m-%d %H:%M", time.localtime(holder.me.since))
         assert f"host {socket.gethostname()}, process {os.getpid()}, since {since}" in str(refused.value)
-        other_shard = ShardLock(lease_path(tmp_path, 1, 2), "output.dir=OUT shard 1 of 2", 120)
+        other_shard = lock(tmp_path, sharding=Sharding(num_shards=2, shard_index=1))
         assert other_shard.acquire() is None  # shards of one array write the same folder at once
         other_shard.release()
+        with pytest.raises(JobError, match="an array of 2 shards .* is writing this output.dir: host "):
+            lock(tmp_path).acquire()  # one shard of 1 would write shard 0 of 2's rows again
     finally:
         holder.release()
-    assert not lease_path(tmp_path).exists()
+    assert not any((tmp_path / LEASE_FOLDER).glob("*.json"))
+    lock(tmp_path).acquire()
 
 
 def test_a_pid_now_held_by_another_process_is_a_gone_holder_taken_over_at_once(tmp_path):
-    reused = ShardLock(lease_path(tmp_path), LABEL, 120)
+    reused = lock(tmp_path)
     reused.me = replace(reused.me, process_start="1")  # this pid, but a process that started at boot
     reused.acquire()
-    taker = ShardLock(lease_path(tmp_path), LABEL, 120)
+    taker = lock(tmp_path)
     gone = taker.acquire()
     assert gone is not None and gone.process_start == "1"
     assert json.loads(lease_path(tmp_path).read_text())["token"] == taker.me.token
 
 
 def test_another_hosts_lease_holds_for_120_s_of_silence_and_is_taken_over_after(tmp_path):
-    remote = ShardLock(lease_path(tmp_path), LABEL, 120, host="node-17")
+    remote = lock(tmp_path, host="node-17")
     remote.acquire()
-    ours = ShardLock(lease_path(tmp_path), LABEL, 120)
+    ours = lock(tmp_path)
     old = time.time() - 100
     os.utime(lease_path(tmp_path), (old, old))
     with pytest.raises(JobError, match=r"host node-17, process \d+, since .*lease renewed 100 s ago, lapses after 120"):
@@ -86,7 +97,7 @@ def test_another_hosts_lease_holds_for_120_s_of_silence_and_is_taken_over_after(
 
 
 def test_the_heartbeat_renews_a_0_4_s_lease_and_a_run_that_cannot_renew_stops_after_0_2_s(tmp_path):
-    beating = ShardLock(lease_path(tmp_path), LABEL, 0.4)
+    beating = lock(tmp_path, 0.4)
     beating.acquire()
     old = time.time() - 10
     os.utime(lease_path(tmp_path), (old, old))
@@ -97,7 +108,7 @@ def test_the_heartbeat_renews_a_0_4_s_lease_and_a_run_that_cannot_renew_stops_af
     beating.release()
     assert not lease_path(tmp_path).exists()
 
-    silent = ShardLock(lease_path(tmp_path), LABEL, 0.4)  # no heartbeat: as if the file system stopped answering
+    silent = lock(tmp_path, 0.4)  # no heartbeat: as if the file system stopped answering
     silent.acquire()
     silent.check()
     time.sleep(0.25)
@@ -110,7 +121,7 @@ def test_the_heartbeat_renews_a_0_4_s_lease_and_a_run_that_cannot_renew_stops_af
 
 def test_a_run_of_a_shard_this_process_holds_exits_2_before_tokenizing_naming_host_pid_and_since(data, tmp_path):
     out = tmp_path / "out"
-    holder = ShardLock(lease_path(out), LABEL, 120)
+    holder = lock(out)
     holder.acquire()
     try:
         done = run_cli(job_args(data, out))

@@ -88,11 +88,19 @@ def _alive_here(holder: Holder) -> bool:
     return state not in ("Z", "X") and (holder.process_start is None or start == holder.process_start)
 
 
-class ShardLock:
-    """The lease of one shard: `acquire`, then `start_heartbeat`; `check` before each write; `release` at the end."""
+def lease_name(shard_index: int, num_shards: int) -> str:
+    return f"shard-{shard_index:04d}-of-{num_shards:04d}.json"
 
-    def __init__(self, path: Path, label: str, lease_seconds: float, host: str | None = None):
-        self.path = path
+
+class ShardLock:
+    """The lease of one shard: `acquire`, then `start_heartbeat`; `check` before each write; `release` at the end.
+
+    Leases of another shard count in the same folder are rivals: a run of 1 shard and an array of 4 would both
+    write shard 0's rows, so either waits for the other to end."""
+
+    def __init__(self, folder: Path, sharding: Sharding, label: str, lease_seconds: float, host: str | None = None):
+        self.path = folder / lease_name(sharding.shard_index, sharding.num_shards)
+        self.num_shards = sharding.num_shards
         self.label = label  # "output.dir=X shard I of N", for messages
         self.lease_seconds = lease_seconds
         stat = _process_stat(os.getpid())
@@ -110,6 +118,7 @@ class ShardLock:
         with disk_full_named(self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with locked(self.path.parent / ".lock", required=False):
+                self._check_rivals()
                 current = self._read()
                 if current is None:
                     self._write(exclusive=True)
@@ -170,6 +179,17 @@ class ShardLock:
         while not self._stop.wait(self.lease_seconds / RENEWALS_PER_LEASE) and not self.lost:
             self.renew()
 
+    def _check_rivals(self) -> None:
+        for path in sorted(self.path.parent.glob("shard-*-of-*.json")):
+            if path.name.endswith(f"-of-{self.num_shards:04d}.json"):
+                continue
+            current = self._read(path)
+            if current is not None and current[0] is not None and not self._gone(*current):
+                shards = int(path.stem.rpartition("-of-")[2])
+                raise JobError(f"{self.label}: an array of {shards} shards (another data.num_shards) is writing this "
+                               f"output.dir: {current[0].describe()}; wait for it to finish, or give this run "
+                               "another output.dir")
+
     def _gone(self, holder: Holder, age: float) -> bool:
         if holder.host == self.me.host and holder.kernel == self.me.kernel:
             return not _alive_here(holder)
@@ -180,10 +200,11 @@ class ShardLock:
                 f"{max(age, 0):.0f} s ago, lapses after {self.lease_seconds:.0f} s); wait for it to finish or stop "
                 "it, or give this run another output.dir")
 
-    def _read(self) -> tuple[Holder | None, float] | None:
-        """The lease's holder (None when the file is not a lease) and its age in seconds; None without a lease."""
+    def _read(self, path: Path | None = None) -> tuple[Holder | None, float] | None:
+        """A lease's holder (None when the file is not a lease) and its age in seconds, this shard's unless `path`
+        names another; None without a lease."""
         try:
-            with open(self.path, "rb") as handle:  # a fresh open: NFS revalidates the cached mtime
+            with open(path or self.path, "rb") as handle:  # a fresh open: NFS revalidates the cached mtime
                 age = time.time() - os.fstat(handle.fileno()).st_mtime
                 data = handle.read()
         except FileNotFoundError:
@@ -216,8 +237,7 @@ def sole_writer(out: Path, sharding: Sharding, lease_seconds: float) -> Iterator
     with exit 2 naming that run; a gone one is taken over. Then what a crashed writer of this shard left is cleared
     (reported in one line), and the lease is renewed until the run ends."""
     label = f"output.dir={out} shard {sharding.shard_index} of {sharding.num_shards}"
-    lock = ShardLock(out / LEASE_FOLDER / f"shard-{sharding.shard_index:04d}-of-{sharding.num_shards:04d}.json",
-                     label, lease_seconds)
+    lock = ShardLock(out / LEASE_FOLDER, sharding, label, lease_seconds)
     gone = lock.acquire()
     try:
         if gone is not None:
