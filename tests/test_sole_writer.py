@@ -4,6 +4,8 @@ taken over; a run that lost its lease stops before its next commit."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
@@ -114,6 +116,19 @@ def test_the_heartbeat_renews_a_0_4_s_lease_and_a_run_that_cannot_renew_stops_af
     time.sleep(0.25)
     with pytest.raises(JobError, match="could not renew its lease"):
         silent.check()
+
+
+def test_without_flock_as_on_lustre_mounted_noflock_a_lease_is_still_taken_and_refused(tmp_path, monkeypatch):
+    def refuse(handle, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    holder = lock(tmp_path)
+    assert holder.acquire() is None
+    with pytest.raises(JobError, match="is being written by another live run"):
+        lock(tmp_path).acquire()
+    holder.release()
+    assert lock(tmp_path).acquire() is None
 
 
 # --- real runs ---------------------------------------------------------------------------------------------------

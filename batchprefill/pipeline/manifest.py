@@ -91,15 +91,16 @@ def locked(path: Path, required: bool = True) -> Iterator[None]:
     with open(path, "w") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX)
+            held = True
         except OSError:
             if required:
                 raise
-            yield
-            return
+            held = False
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            if held:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def recipe_fingerprint(files: list[Path], settings: PrepareSettings) -> str:

@@ -96,7 +96,7 @@ class ShardLock:
     """The lease of one shard: `acquire`, then `start_heartbeat`; `check` before each write; `release` at the end.
 
     Leases of another shard count in the same folder are rivals: a run of 1 shard and an array of 4 would both
-    write shard 0's rows, so either waits for the other to end."""
+    write shard 0's rows, so either is refused while the other lives."""
 
     def __init__(self, folder: Path, sharding: Sharding, label: str, lease_seconds: float, host: str | None = None):
         self.path = folder / lease_name(sharding.shard_index, sharding.num_shards)
@@ -145,9 +145,9 @@ class ShardLock:
         try:
             current = self._read()
             if current is None or current[0] is None or current[0].token != self.me.token:
-                taker = current[0].describe() if current and current[0] else "nobody: its lease file is gone"
-                self.lost = (f"{self.label}: this run's lease was taken over by another run ({taker}); it stops "
-                             "here, and the rows it committed stay")
+                taken = (f"was taken over by another run ({current[0].describe()})" if current and current[0] else
+                         f"file {self.path} is gone")
+                self.lost = f"{self.label}: this run's lease {taken}; it stops here, and the rows it committed stay"
                 return
             os.utime(self.path)
             self.renewed = time.monotonic()
@@ -218,8 +218,8 @@ class ShardLock:
         """This run's lease, appearing whole: linked into place when there is none (fails if a racer made one),
         else renamed over the gone run's."""
         staging = self.path.with_name(f".{self.path.name}.{self.me.token}{STAGING_SUFFIX}")
-        staging.write_text(json.dumps(asdict(self.me)))
         try:
+            staging.write_text(json.dumps(asdict(self.me)))
             if exclusive:
                 try:
                     os.link(staging, self.path)
