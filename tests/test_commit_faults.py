@@ -1,5 +1,5 @@
-"""A crash at any point of a part's commit, a full disk, and what a crashed run leaves: each ends with every id
-exactly once and the outputs of a run that never failed.
+"""Two runs of one shard at once, a crash at any point of a part's commit, a full disk, and what a crashed run
+leaves: each ends with every id exactly once and the outputs of a run that never failed.
 
 The kills are real: a job run with BATCHPREFILL_TEST_KILL_AT=POINT:GLOB SIGKILLs itself at that point of committing
 the matching part. The full disks are real too: a tmpfs of a few hundred KiB mounted for the test (root, as in CI).
@@ -69,21 +69,38 @@ def data(tmp_path_factory) -> Path:
     return make_prompts(tmp_path_factory.mktemp("input") / "prompts.parquet")
 
 
+def start(data: Path, out: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]), **(env or {})}
+    return subprocess.Popen(job_args(data, out), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
 @pytest.fixture(scope="module")
-def reference(data, tmp_path_factory) -> Path:
-    """The job, never interrupted."""
+def twice_at_once(data, tmp_path_factory) -> tuple[Path, list[tuple[subprocess.Popen, str]]]:
+    """The same job submitted twice at once into one output.dir; the run that finished is the reference."""
     out = tmp_path_factory.mktemp("reference")
-    done = run_cli(job_args(data, out))
-    assert done.returncode == 0, done.stderr[-2000:]
+    jobs = [start(data, out) for _ in range(2)]
+    return out, sorted(((job, job.communicate(timeout=300)[1]) for job in jobs), key=lambda done: done[0].returncode)
+
+
+@pytest.fixture(scope="module")
+def reference(twice_at_once) -> Path:
+    """The job, never interrupted."""
+    out, [(finished, stderr), _] = twice_at_once
+    assert finished.returncode == 0, stderr[-2000:]
     return out
 
 
-def start(data: Path, out: Path, kill_at: str) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
-           KILL_AT_ENV: kill_at}
-    job = subprocess.Popen(job_args(data, out), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
-    return job, job.communicate(timeout=300)[1]
+# --- two runs of one shard at once -------------------------------------------------------------------------------
+
+
+def test_two_identical_runs_at_once_one_exits_2_naming_the_other_and_every_id_is_written_once(data, twice_at_once):
+    out, [(winner, _), (refused, stderr)] = twice_at_once
+    assert (winner.returncode, refused.returncode) == (0, 2), stderr[-2000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and f"output.dir={out} shard 0 of 1 is being written by another live run: host " \
+        f"{socket.gethostname()}, process {winner.pid}, since " in lines[0], stderr
+    assert sorted(results_by_id(out)) == sorted(input_ids(data))
 
 
 # --- a crash mid-commit ------------------------------------------------------------------------------------------
@@ -93,7 +110,8 @@ def test_a_kill_at_each_of_4_points_of_a_commit_then_a_rerun_gives_each_of_24_id
         data, reference, tmp_path):
     out, killed, previous = tmp_path / "out", None, None
     for point in KILL_POINTS:
-        job, stderr = start(data, out, f"{point}:part-*-00001.parquet")
+        job = start(data, out, {KILL_AT_ENV: f"{point}:part-*-00001.parquet"})
+        stderr = job.communicate(timeout=300)[1]
         assert job.returncode == -signal.SIGKILL, stderr[-2000:]
         if killed is not None:  # this run found the last one's lease and its leftovers
             assert f"took over from a run that is gone (host {socket.gethostname()}, process {killed}," in stderr

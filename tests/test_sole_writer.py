@@ -8,9 +8,7 @@ import errno
 import fcntl
 import json
 import os
-import re
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -21,8 +19,8 @@ import pytest
 from batchprefill.errors import JobError
 from batchprefill.pipeline.shard_lock import LEASE_FOLDER, ShardLock, lease_name
 from batchprefill.settings import Sharding
-from tests.conftest import REPO, run_cli
-from tests.test_resume import FAST, input_ids, make_prompts, results_by_id
+from tests.conftest import run_cli
+from tests.test_resume import FAST, make_prompts
 
 QUICK = ["sampling.max_tokens=8", "engine.max_num_seqs=4", "output.commit_every_rows=2"]
 LABEL = "output.dir=OUT shard 0 of 1"
@@ -148,17 +146,3 @@ def test_a_run_of_a_shard_this_process_holds_exits_2_before_tokenizing_naming_ho
     assert len(lines) == 1 and f"output.dir={out} shard 0 of 1 is being written by another live run: host " \
         f"{socket.gethostname()}, process {os.getpid()}, since {since}" in lines[0], done.stderr
     assert not (out / "partitions").exists() and not (out / "results").exists()
-
-
-def test_two_identical_runs_at_once_one_exits_2_naming_the_other_and_every_id_is_written_once(data, tmp_path):
-    out = tmp_path / "out"
-    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
-    jobs = [subprocess.Popen(job_args(data, out), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for _ in range(2)]
-    done = [(job, *job.communicate(timeout=300)) for job in jobs]
-    statuses = sorted(job.returncode for job, _, _ in done)
-    assert statuses == [0, 2], [stderr[-1000:] for _, _, stderr in done]
-    (winner, _, _), (_, _, refused) = sorted(done, key=lambda d: d[0].returncode)
-    assert re.search(f"is being written by another live run: host {re.escape(socket.gethostname())}, process "
-                     f"{winner.pid}, since ", refused), refused
-    assert sorted(results_by_id(out)) == sorted(input_ids(data))
