@@ -221,3 +221,14 @@ def test_an_unforeseen_full_disk_is_exit_2_and_a_bugs_traceback_goes_where_there
         assert log.parent == tmp_path / "tmp" and "JSONDecodeError" in log.read_text()
         assert not [p for p in disk.iterdir() if p.name.startswith("batchprefill-run-error-")]
     assert atomic.is_disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
+
+
+def test_a_run_into_a_disk_that_is_still_full_exits_2_saying_so_before_hydra_writes_its_run_folder(data, tmp_path):
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        fill(disk)
+        done = run_cli(job_args(data, disk / "out"))
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert done.stderr.strip() == ("batchprefill: error: the disk is full (No space left on device) writing "
+                                       "Hydra's run folder (hydra.run.dir, under output.dir); free space there (or "
+                                       "choose another output.dir) and rerun: what was committed stays, and the "
+                                       "rerun resumes")

@@ -55,7 +55,7 @@ def reported_errors(command: str, log_dir: Path | None = None) -> Iterator[None]
     except Exception as error:  # noqa: BLE001 - the one place every unforeseen error is turned into a report
         if is_disk_full(error):  # a write no caller named (Hydra's log, a library's cache): the user's to fix
             where = Path(getattr(error, "filename", None) or log_dir or ".")
-            print(f"{command}: error: {one_line(disk_full_message(where, error))}", file=sys.stderr)
+            print(f"{command}: error: {one_line(disk_full_message(error, where))}", file=sys.stderr)
             sys.exit(DiskFull.exit_status)
         log = _write_traceback(command, log_dir)
         summary = one_line(f"{type(error).__name__}: {error}")[:SHOWN_CHARS]
@@ -131,6 +131,10 @@ def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[
                 raise JobError(f"{error}{detail}") from error
             except OSError as error:  # Hydra writes its run folder (hydra.run.dir) under output.dir
                 path = Path(error.filename or ".")
+                if is_disk_full(error):
+                    raise DiskFull(disk_full_message(error, Path(error.filename) if error.filename else None,
+                                                     None if error.filename else "Hydra's run folder (hydra.run.dir, "
+                                                     "under output.dir)")) from error
                 raise JobError(f"{path} cannot be created or written: {unwritable_reason(path, error)}; choose an "
                                "output.dir you can write (Hydra's run folder, hydra.run.dir, is under it)") from error
 

@@ -83,21 +83,23 @@ def disk_full_named(path: Path) -> Iterator[None]:
         yield
     except OSError as error:
         if is_disk_full(error):
-            raise DiskFull(disk_full_message(path, error)) from error
+            raise DiskFull(disk_full_message(error, path)) from error
         raise
 
 
-def disk_full_message(path: Path, error: OSError) -> str:
-    """The line a full disk ends a job with: which file, which file system, how much room is left there."""
-    where = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
-    mount = where
-    while not mount.is_mount() and mount != mount.parent:
-        mount = mount.parent
-    usage = shutil.disk_usage(where)
-    return (f"the disk is full ({os.strerror(error.errno or errno.ENOSPC)}) writing {path}: "
-            f"{readable_bytes(usage.free)} free of {readable_bytes(usage.total)} on the file system at {mount}; "
-            "free space there (or choose another output.dir) and rerun: what was committed stays, and the rerun "
-            "resumes")
+def disk_full_message(error: OSError, path: Path | None, what: str | None = None) -> str:
+    """The line a full disk ends a job with: which file (`path`, else `what` is written), which file system, and
+    how much room is left there."""
+    room = ""
+    if path is not None:
+        where = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+        mount = where
+        while not mount.is_mount() and mount != mount.parent:
+            mount = mount.parent
+        usage = shutil.disk_usage(where)
+        room = f": {readable_bytes(usage.free)} free of {readable_bytes(usage.total)} on the file system at {mount}"
+    return (f"the disk is full ({os.strerror(error.errno or errno.ENOSPC)}) writing {what or path}{room}; free space "
+            "there (or choose another output.dir) and rerun: what was committed stays, and the rerun resumes")
 
 
 def _killed_at(point: str, path: Path) -> None:
