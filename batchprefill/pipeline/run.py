@@ -24,6 +24,7 @@ from batchprefill.pipeline.order import assign_shards
 from batchprefill.pipeline.prepare import Prepared, prepare_job
 from batchprefill.pipeline.request_params import max_output_tokens, may_be_constrained
 from batchprefill.pipeline.requests import PartitionRun, load_partition
+from batchprefill.pipeline.shard_lock import ShardLock, sole_writer
 from batchprefill.report.run_figure import write_run_figure
 from batchprefill.report.stats import JobTotals, job_row, stats_dir, write_stats
 from batchprefill.report.summary import print_run_summary
@@ -39,7 +40,12 @@ class Interrupted(Exception):
 
 
 def run_job(job: JobSettings) -> dict:
-    """Run the job these settings describe; returns the job statistics row."""
+    """Run the job these settings describe, as the one live writer of its shard; returns the job statistics row."""
+    with sole_writer(job.output.dir, job.data.sharding, job.output.lease_seconds) as lock:
+        return _run_job(job, lock)
+
+
+def _run_job(job: JobSettings, lock: ShardLock) -> dict:
     started = time.perf_counter()
     task = get_task(job.task)
     prepared = prepare_job(job)
@@ -52,7 +58,7 @@ def run_job(job: JobSettings) -> dict:
     engine = build_engine(job, prepared, _tokens_needed(job, task, prepared, mine, output_tokens), structured)
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds,
-                          task.result_fields(job.sampling.n > 1, _may_ask_logprobs(job)))
+                          task.result_fields(job.sampling.n > 1, _may_ask_logprobs(job)), lock.check)
     totals = JobTotals()
     bar = tqdm(total=sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n, desc=job.task,
                unit="req",
@@ -66,7 +72,8 @@ def run_job(job: JobSettings) -> dict:
         print(f"batchprefill: stopped by SIGTERM after committing {writer.committed_rows} rows; "
               "rerun with the same output.dir to resume", file=sys.stderr)
         sys.exit(SIGTERM_EXIT_STATUS)
-    bar.close()
+    finally:  # before any error line: a bar left open redraws itself at exit, after it
+        bar.close()
     stats = job_row(totals, engine.counters, engine.config, time.perf_counter() - started)
     stats_folder = stats_dir(out, sharding)
     write_stats(stats_folder, totals, engine.counters.steps, stats)
