@@ -93,6 +93,22 @@ def unwritable_reason(path: Path, error: OSError) -> str:
     return error.strerror or str(error)
 
 
+def checked_job(cfg: DictConfig) -> JobSettings:
+    """The settings a job runs on, from a composed config: checked (settings.py), with a writable output.dir.
+    Every command and the Python API (batchprefill.api) start a job through this."""
+    job = JobSettings.from_config(cfg)
+    check_output_dir(job.output.dir)
+    return job
+
+
+def config_error(error: HydraException | OmegaConfBaseException) -> JobError:
+    """A bad override or config key as the JobError a user reads: Hydra's message, with OmegaConf's cause (the
+    key that is not in the config) when it has one. The command line and the Python API compose alike."""
+    cause = error.__cause__
+    detail = f" {cause}" if isinstance(cause, OmegaConfBaseException) else ""
+    return JobError(f"{error}{detail}")
+
+
 def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[], None]:
     """A Hydra entry point on conf/config.yaml: the config is parsed once into JobSettings, which the task gets;
     any error ends it in one line (see `reported_errors`).
@@ -104,9 +120,7 @@ def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[
     @functools.wraps(task)
     def run(cfg: DictConfig) -> None:
         with reported_errors(command, Path(HydraConfig.get().runtime.output_dir)):
-            job = JobSettings.from_config(cfg)
-            check_output_dir(job.output.dir)
-            task(job)
+            task(checked_job(cfg))
 
     hydra_main = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(run)
 
@@ -116,9 +130,7 @@ def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[
             try:
                 hydra_main()
             except (HydraException, OmegaConfBaseException) as error:
-                cause = error.__cause__
-                detail = f" {cause}" if isinstance(cause, OmegaConfBaseException) else ""
-                raise JobError(f"{error}{detail}") from error
+                raise config_error(error) from error
             except OSError as error:  # Hydra writes its run folder (hydra.run.dir) under output.dir
                 path = Path(error.filename or ".")
                 raise JobError(f"{path} cannot be created or written: {unwritable_reason(path, error)}; choose an "
