@@ -64,12 +64,13 @@ class Result:
     output_dir: Path | None
 
 
-def run(data: object = None, *, progress: bool | None = None, **config: object) -> Result:
+def run(data: object = None, /, *, progress: bool | None = None, **config: object) -> Result:
     """Run a job on `data` as `batchprefill-run` would, loading the model for this job alone (a `Runner` keeps it).
 
     `data`: a path (anything `data.input` takes), a polars or pandas DataFrame, a pyarrow Table, a
     `datasets.Dataset`, or a list of prompt strings (their positions are their ids); None: `data.input` as
-    configured (the shipped sample by default). `config`: the command line's keys, dotted
+    configured (the shipped sample by default); it is positional only, so `data={"input": ...}` is the config's
+    data section. `config`: the command line's keys, dotted
     (`**{"sampling.max_tokens": 32}`) or nested (`sampling={"max_tokens": 32}`); `model` may also name a model
     folder or GGUF (as `model.path`). `progress=False` turns the progress bars off (`output.progress`). Without
     `output.dir` the job runs in a temporary folder, removed when it returns. A job-level fault raises JobError.
@@ -78,7 +79,7 @@ def run(data: object = None, *, progress: bool | None = None, **config: object) 
         return _run_job(data, _flat_config(config, progress), None)
 
 
-def plan(data: object = None, *, progress: bool | None = None, **config: object) -> dict:
+def plan(data: object = None, /, *, progress: bool | None = None, **config: object) -> dict:
     """The dry run of `batchprefill-plan` on `data` (as for `run`): the `plan.parquet` row, loading no weights."""
     from batchprefill.pipeline.plan import plan_job  # pulls in torch
 
@@ -108,7 +109,7 @@ class Runner:
             job = JobSettings.from_config(_composed(_overrides({**self._config, "output.dir": tempfile.gettempdir()})))
             self.model: JobModel = load_job_model(job, open_model(job.model))
 
-    def run(self, data: object = None, *, progress: bool | None = None, **config: object) -> Result:
+    def run(self, data: object = None, /, *, progress: bool | None = None, **config: object) -> Result:
         """A job on the loaded model, as `batchprefill.run(data, **config)` with the constructor's keys under
         these."""
         with _one_line_errors():
