@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # torch: loaded when a job runs, not when batchprefill.api is
 STAGED_INPUT = "input.parquet"  # in-memory data, written into the job's output folder
 PER_CALL_SECTIONS = ("task", "data", "sampling", "output")  # what a Runner's call may change: not model, engine
 MODEL_GROUPS = {path.stem for path in (Path(CONFIG_DIR) / "model").glob("*.yaml")}
+HF_GROUP = "hf"  # conf/model/hf.yaml: any model folder or GGUF that model.path names
 # Hydra's quoted strings: backslashes before a quote or at the end are escapes, and OmegaConf reads `${` as an
 # interpolation unless escaped; everything else in the quotes is taken as it is.
 _QUOTED_SPECIAL = re.compile(r"(\\*)('|\$\{|$)")
@@ -215,14 +216,17 @@ def results_in_input_order(job: JobSettings) -> pl.DataFrame:
 
 def _flat_config(config: Mapping[str, object], progress: bool | None) -> dict[str, object]:
     """Keyword arguments as the command line's dotted keys: nested mappings flattened, `model` naming a folder or
-    GGUF taken as model.path, `progress` as output.progress."""
+    GGUF (not a conf/model group) taken as `model=hf model.path=...`, `progress` as output.progress."""
     flat: dict[str, object] = {}
     for key, value in _leaves(config, ""):
         if key == "model" and isinstance(value, (str, os.PathLike)) and os.fspath(value) not in MODEL_GROUPS:
-            key = "model.path"
-        if key in flat:
-            raise JobError(f"{key} is given twice: give each key once, dotted or nested")
-        flat[key] = value
+            pairs = [("model", HF_GROUP), ("model.path", value)]  # as `model=hf model.path=...`
+        else:
+            pairs = [(key, value)]
+        for name, given in pairs:
+            if name in flat:
+                raise JobError(f"{name} is given twice: give each key once, dotted or nested")
+            flat[name] = given
     if progress is not None:
         flat["output.progress"] = progress
     return flat
