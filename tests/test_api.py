@@ -67,6 +67,14 @@ def cli_rows(cli_out) -> list[dict]:
     return pl.from_arrow(pq.read_table(cli_out / "results")).sort("id").to_dicts()
 
 
+@pytest.fixture(scope="module")
+def path_run(prompts_file, tmp_path_factory) -> tuple[api.Result, dict]:
+    """batchprefill.run on the prompts' file into an explicit output dir, committing parts of 3 rows; and its config."""
+    out = tmp_path_factory.mktemp("path_run")
+    config = {"output": {"dir": str(out), "commit_every_rows": 3}, "progress": False, **FAST}
+    return batchprefill.run(prompts_file, **config), config
+
+
 @pytest.fixture
 def loads(monkeypatch) -> list[Path]:
     """A spy on the weight loader every job and Runner goes through: it records each load and does it."""
@@ -81,42 +89,39 @@ def loads(monkeypatch) -> list[Path]:
 
 
 def test_run_on_a_polars_frame_a_list_and_a_path_gives_the_command_lines_8_rows_in_input_order(
-    prompts_file, cli_rows, loads, capfd
+    path_run, cli_rows, loads, capfd
 ):
     handler = signal.getsignal(signal.SIGTERM)
-    for data in (pl.DataFrame({"prompt": PROMPTS}), PROMPTS, prompts_file):
-        result = batchprefill.run(data, progress=False, **FAST)
+    fresh = [batchprefill.run(data, progress=False, **FAST) for data in (pl.DataFrame({"prompt": PROMPTS}), PROMPTS)]
+    assert len(loads) == 2  # a fresh run loads the model for itself
+    assert signal.getsignal(signal.SIGTERM) is handler  # the caller's process handles SIGTERM as before
+    for result in [*fresh, path_run[0]]:
         assert result.table["id"].to_list() == list(range(8))
         assert result.table["prompt"].to_list() == PROMPTS
         assert result.table.to_dicts() == cli_rows
         assert result.table["finish_reason"][6] == "error" and result.table["error"][6]
         assert result.stats["num_requests"] == 8 and result.stats["num_errors"] == 1
         assert result.stats["cached_tokens"] > 0  # the shared system prompts were computed once
-        assert result.output_dir is None
-    assert len(loads) == 3  # a fresh run loads the model for itself
-    assert signal.getsignal(signal.SIGTERM) is handler  # the caller's process handles SIGTERM as before
+    assert path_run[0].output_dir == Path(path_run[1]["output"]["dir"])
+    assert all(result.output_dir is None for result in fresh)
     folders = re.findall(r"Results and statistics are in (\S+)\.$", capfd.readouterr().err, re.MULTILINE)
-    assert len(folders) == 3 and not any(Path(folder).exists() for folder in folders)  # temporary, removed
+    assert len(folders) == 2 and not any(Path(folder).exists() for folder in folders)  # temporary, removed
 
 
-def test_a_runner_loads_once_and_its_calls_give_what_fresh_runs_give_with_n_2(cli_rows, loads):
+def test_a_runner_loads_once_and_its_second_call_gives_the_fresh_command_lines_rows(cli_rows, loads):
     from batchprefill.model.loader import shipped_gguf
 
     runner = batchprefill.Runner(model=shipped_gguf(), progress=False, **FAST)  # the default model, by its path
     assert len(loads) == 1
-    first = runner.run(pd.DataFrame({"prompt": PROMPTS}))
-    assert first.table.to_dicts() == cli_rows
-    sampled = {"sampling": {"n": 2, "temperature": 0.8, "seed": 3}}
+    sampled = runner.run(Dataset.from_dict({"prompt": PROMPTS}), sampling={"n": 2, "temperature": 0.8, "seed": 3})
+    assert sampled.table["id"].to_list() == [i for i in range(8) for _ in range(2)]
+    assert sampled.table["sample_index"].to_list() == [0, 1] * 8
+    assert sampled.table["output_text"].to_list() != [row["output_text"] for row in cli_rows for _ in range(2)]
     # from a worker thread, as a pipeline's map would call it: no signal handler can be set there
     with ThreadPoolExecutor(1) as pool:
-        second = pool.submit(runner.run, Dataset.from_dict({"prompt": PROMPTS}), **sampled).result()
+        greedy = pool.submit(runner.run, pd.DataFrame({"prompt": PROMPTS})).result()
     assert len(loads) == 1  # neither call loaded the model again
-    assert second.table["id"].to_list() == [i for i in range(8) for _ in range(2)]
-    assert second.table["sample_index"].to_list() == [0, 1] * 8
-    fresh = batchprefill.run(pa.table({"prompt": PROMPTS}), progress=False, **FAST, **sampled)
-    assert len(loads) == 2
-    assert second.table.to_dicts() == fresh.table.to_dicts()
-    assert second.table["output_text"].to_list() != [row["output_text"] for row in cli_rows for _ in range(2)]
+    assert greedy.table.to_dicts() == cli_rows  # the per-call sampling keys did not outlive their call
     with pytest.raises(JobError, match=r"^engine\.block_size: a Runner keeps the model and engine it was made with"):
         runner.run(PROMPTS, engine={"block_size": 32})
     with pytest.raises(JobError, match=r"^model\.dtype: a Runner keeps"):
@@ -157,22 +162,20 @@ def test_faults_of_the_python_call_itself_are_one_line_job_errors(prompts_file):
         batchprefill.run({"prompt": PROMPTS})
 
 
-def test_a_rerun_into_the_same_output_dir_runs_only_the_2_rows_of_a_deleted_part(tmp_path):
-    config = {"output": {"dir": str(tmp_path), "commit_every_rows": 3}, "progress": False, **FAST}
-    first = batchprefill.run(PROMPTS, **config)
-    assert first.output_dir == tmp_path and (tmp_path / "results").is_dir()
-    parts = sorted((tmp_path / "results").glob("part-*.parquet"))
+def test_a_rerun_into_an_explicit_output_dir_runs_only_the_2_rows_of_a_deleted_part(path_run, prompts_file):
+    first, config = path_run
+    parts = sorted((first.output_dir / "results").glob("part-*.parquet"))
     assert [pq.read_metadata(part).num_rows for part in parts] == [3, 3, 2]
     parts[-1].unlink()  # as if the job had been killed before its last commit
-    again = batchprefill.run(PROMPTS, **config)
+    again = batchprefill.run(prompts_file, **config)
     assert again.stats["num_requests"] == 2
     # the same rows; only num_cached_tokens may differ: a row rerun alone finds less of its prefix cached
     assert again.table.drop("num_cached_tokens").to_dicts() == first.table.drop("num_cached_tokens").to_dicts()
-    assert pq.read_table(tmp_path / "results").num_rows == 8  # each row once
+    assert pq.read_table(first.output_dir / "results").num_rows == 8  # each row once
 
 
-def test_plan_on_a_list_gives_the_row_batchprefill_plan_wrote(cli_out):
-    row = batchprefill.plan(PROMPTS, progress=False, **FAST)
+def test_plan_on_an_arrow_table_gives_the_row_batchprefill_plan_wrote(cli_out):
+    row = batchprefill.plan(pa.table({"prompt": PROMPTS}), progress=False, **FAST)
     assert row == pq.read_table(cli_out / "plan.parquet").to_pylist()[0]
     assert row["requests"] == 7 and row["error_rows"] == 1
     assert row["ideal_computed_tokens"] < row["computed_tokens_without_reuse"]
