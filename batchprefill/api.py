@@ -70,11 +70,11 @@ def run(data: object = None, /, *, progress: bool | None = None, **config: objec
 
     `data`: a path (anything `data.input` takes), a polars or pandas DataFrame, a pyarrow Table, a
     `datasets.Dataset`, or a list of prompt strings (their positions are their ids); None: `data.input` as
-    configured (the shipped sample by default); it is positional only, so `data={"input": ...}` is the config's
-    data section. `config`: the command line's keys, dotted
-    (`**{"sampling.max_tokens": 32}`) or nested (`sampling={"max_tokens": 32}`); `model` may also name a model
-    folder or GGUF (as `model.path`). `progress=False` turns the progress bars off (`output.progress`). Without
-    `output.dir` the job runs in a temporary folder, removed when it returns. A job-level fault raises JobError.
+    configured (the shipped sample by default). It is positional only, so `data={"input": ...}` is the config's
+    data section. `config`: the command line's keys, dotted (`**{"sampling.max_tokens": 32}`) or nested
+    (`sampling={"max_tokens": 32}`); `model` may also name a model folder or GGUF (as `model.path`).
+    `progress=False` turns the progress bars off (`output.progress`). Without `output.dir` the job runs in a
+    temporary folder, removed when it returns. A job-level fault raises JobError.
     """
     with _one_line_errors():
         return _run_job(data, _flat_config(config, progress), None)
