@@ -32,7 +32,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from batchprefill.cli.app import checked_job, config_error, one_line
+from batchprefill.cli.app import checked_job, config_error, one_line, user_fault
 from batchprefill.errors import JobError
 from batchprefill.io.columns import ROW
 from batchprefill.io.own_files import read_parquet
@@ -276,9 +276,15 @@ def _composed(overrides: list[str]):
 
 @contextmanager
 def _one_line_errors() -> Iterator[None]:
-    """A JobError's message made the one line the command line prints after `batchprefill: error: `."""
+    """A fault the command line reports in one line (`cli.app.user_fault`: a JobError, a full disk) raised as that
+    JobError, its message the line printed after `batchprefill: error: `; anything else, a bug, as it is."""
     try:
         yield
-    except JobError as error:
-        error.args = (one_line(str(error)),)
-        raise
+    except Exception as error:
+        fault = user_fault(error)
+        if fault is None:
+            raise
+        fault.args = (one_line(str(fault)),)
+        if fault is error:
+            raise
+        raise fault from error

@@ -60,6 +60,8 @@ class OutputSettings:
     commit_every_seconds: float
     progress: bool
     plot: bool  # draw stats/run.png after the run and the merge
+    # another host's run that stopped renewing its lease on a shard this long is gone (pipeline.shard_lock)
+    lease_seconds: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -178,10 +180,11 @@ def _sampling(cfg: DictConfig) -> SamplingParams:
 def _output(cfg: DictConfig) -> OutputSettings:
     o = cfg.output
     _require(o.commit_every_rows >= 1, "output.commit_every_rows must be >= 1")
+    _require(o.lease_seconds > 0, "output.lease_seconds must be > 0")
     return OutputSettings(dir=Path(o.dir).expanduser(), resume=bool(o.resume),
                           commit_every_rows=int(o.commit_every_rows),
                           commit_every_seconds=float(o.commit_every_seconds), progress=bool(o.progress),
-                          plot=bool(o.plot))
+                          plot=bool(o.plot), lease_seconds=float(o.lease_seconds))
 
 
 def _link_gbps(cfg: DictConfig) -> float:

@@ -1,6 +1,7 @@
 """batchprefill.run, Runner and plan from Python, checked against the command line on the same data."""
 
 import ast
+import errno
 import re
 import signal
 import sys
@@ -225,3 +226,24 @@ def test_any_string_or_float_reaches_the_config_as_the_python_value(text, number
     )
     assert cfg.sampling.regex == text and list(cfg.sampling.stop) == [text, "it's"]
     assert cfg.sampling.temperature == number and cfg.data.input is None
+
+
+def test_a_full_disk_while_staging_a_frame_raises_disk_full_with_the_line_the_command_line_prints(
+    tmp_path, monkeypatch, capsys
+):
+    from batchprefill.cli.app import reported_errors
+    from batchprefill.errors import DiskFull
+
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "input.parquet"))
+
+    def no_room(*args, **kwargs):  # the write fails as on a full file system, before a byte lands
+        raise full
+
+    monkeypatch.setattr(api.pq, "write_table", no_room)
+    with pytest.raises(DiskFull) as raised:
+        batchprefill.run(pl.DataFrame({"prompt": PROMPTS}), output={"dir": str(tmp_path)})
+    with pytest.raises(SystemExit) as exited, reported_errors("batchprefill"):
+        raise full
+    assert exited.value.code == 2
+    assert ERROR_LINE.findall(capsys.readouterr().err) == [str(raised.value)]
+    assert str(raised.value).startswith(f"the disk is full (No space left on device) writing {tmp_path}/input.parquet")

@@ -18,12 +18,14 @@ from batchprefill.io.atomic import write_records
 from batchprefill.io.columns import ROW
 from batchprefill.io.formats import input_format
 from batchprefill.io.results import Outcome, ResultWriter, done_ids
+from batchprefill.model.loader import dtype_choice, resolve_device
 from batchprefill.pipeline.build_engine import JobModel, build_engine, engine_on, structured_outputs
 from batchprefill.pipeline.manifest import PARTITION_SCHEMA, partition_path, partition_records, read_partition
 from batchprefill.pipeline.order import assign_shards
 from batchprefill.pipeline.prepare import Prepared, prepare_job
 from batchprefill.pipeline.request_params import max_output_tokens, may_be_constrained
 from batchprefill.pipeline.requests import PartitionRun, load_partition
+from batchprefill.pipeline.shard_lock import ShardLock, sole_writer
 from batchprefill.report.run_figure import write_run_figure
 from batchprefill.report.stats import JobTotals, job_row, stats_dir, write_stats
 from batchprefill.report.summary import print_run_summary
@@ -39,8 +41,14 @@ class Interrupted(Exception):
 
 
 def run_job(job: JobSettings, model: JobModel | None = None) -> dict:
-    """Run the job these settings describe; returns the job statistics row. With `model` (a batchprefill.Runner's,
-    loaded for settings with the same model.* and engine.* keys) it loads nothing and builds its engine on that."""
+    """Run the job these settings describe, as the one live writer of its shard; returns the job statistics row.
+    With `model` (a batchprefill.Runner's, loaded for settings with the same model.* and engine.* keys) it loads
+    nothing and builds its engine on that."""
+    with sole_writer(job.output.dir, job.data.sharding, job.output.lease_seconds) as lock:
+        return _run_job(job, lock, model)
+
+
+def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     started = time.perf_counter()
     task = get_task(job.task)
     prepared = prepare_job(job, model.files if model else None)
@@ -55,7 +63,7 @@ def run_job(job: JobSettings, model: JobModel | None = None) -> dict:
               else build_engine(job, prepared, tokens_needed, structured))
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds,
-                          task.result_fields(job.sampling.n > 1, _may_ask_logprobs(job)))
+                          task.result_fields(job.sampling.n > 1, _may_ask_logprobs(job)), lock.check)
     totals = JobTotals()
     bar = tqdm(total=sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n, desc=job.task,
                unit="req",
@@ -69,17 +77,17 @@ def run_job(job: JobSettings, model: JobModel | None = None) -> dict:
         print(f"batchprefill: stopped by SIGTERM after committing {writer.committed_rows} rows; "
               "rerun with the same output.dir to resume", file=sys.stderr)
         sys.exit(SIGTERM_EXIT_STATUS)
-    finally:
+    finally:  # before any error line: a bar left open redraws itself at exit, after it
+        bar.close()
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
-    bar.close()
     stats = job_row(totals, engine.counters, engine.config, time.perf_counter() - started)
     stats_folder = stats_dir(out, sharding)
     write_stats(stats_folder, totals, engine.counters.steps, stats)
     if sharding.num_shards == 1:  # shards: the merge finishes the outputs
         input_format(job.data.format).finish_outputs(out, job.model.name, prepared.model.tokenizer.decode_one)
     figure = write_run_figure(stats_folder, "batchprefill") if job.output.plot else None
-    print_run_summary(stats, out, figure)
+    print_run_summary(stats, out, figure, dtype_choice(job.model.dtype, resolve_device(job.engine.device)))
     return stats
 
 

@@ -12,6 +12,11 @@ member goes on over its own, in the same online softmax. The shared and own halv
 by a log-sum-exp merge in torch, some 25 small ops per layer: 12.4 ms of a 183 ms decode step at 80 decodes in 9
 groups (benchmarks/step_ops.py); one call is 2.3-3.3x the gathered path at 40-450 own tokens (BENCHMARKS.md,
 session 5).
+
+Why tiles: in bfloat16 both walks are matrix-matrix work (a set's rows, or a decode's query heads, against a run of
+keys), and the vector walks widen every key to float32 and spend an FMA per element and row, so bfloat16 attention
+was no faster than float32 (35.8 against 32.3 ms a step at 80 decodes). On a CPU with AMX a bfloat16 model's walks
+run as bfloat16 tile products with float32 sums and a float32 online softmax (the C++ source has the layouts).
 """
 
 from __future__ import annotations
@@ -62,10 +67,20 @@ class PagedDecode:
             function.restype = None
             function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_void_p,
                                                                                  ctypes.c_int]
+            if dtype == torch.bfloat16:
+                function.argtypes += [ctypes.c_int]  # whether bfloat16 queries may walk as tile matmuls
             self._functions[dtype] = function
+        self._tiles = library.paged_decode_bf16_tiles
+        self._tiles.restype = ctypes.c_int
+        self._tiles.argtypes = [ctypes.c_int64, ctypes.c_int64]
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._functions
+
+    def uses_tiles(self, block: int, head_dim: int) -> bool:
+        """Whether a bfloat16 model's decodes over a bfloat16 pool of this block and head size run as AMX tile
+        matmuls (the CPU has AMX, Linux granted it, heads a multiple of 32 up to 128, blocks a multiple of 16)."""
+        return bool(self._tiles(block, head_dim))
 
     def plan(self, meta: AttentionMetadata, decodes: list[int], tables: list[list[int]], block: int,
              per_kv: int) -> PagedPlan | None:
@@ -106,13 +121,15 @@ class PagedDecode:
             out: torch.Tensor) -> None:
         _, q_heads, dim = query.shape
         kv_heads = k_cache.shape[2]
+        tiles = (query.dtype == torch.bfloat16,) if k_cache.dtype == torch.bfloat16 else ()
         query = query.to(torch.float32).contiguous()  # held here: the call must not outlive a temporary
         target = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(query)
         self._functions[k_cache.dtype](
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             plan.sets.data_ptr(), plan.shared_blocks.data_ptr(), plan.rows.data_ptr(), plan.own_blocks.data_ptr(),
             plan.own_lens.data_ptr(), plan.sets.shape[0], plan.shared_blocks.shape[1], plan.own_blocks.shape[1],
-            k_cache.shape[1], kv_heads, q_heads // kv_heads, dim, scale, target.data_ptr(), torch.get_num_threads())
+            k_cache.shape[1], kv_heads, q_heads // kv_heads, dim, scale, target.data_ptr(), torch.get_num_threads(),
+            *tiles)
         if target is not out:
             out.index_copy_(0, plan.rows, target.index_select(0, plan.rows).to(out.dtype))
 

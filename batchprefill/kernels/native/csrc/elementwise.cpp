@@ -1,11 +1,13 @@
 // The CPU path's per-token ops, each one pass over its rows: RMSNorm with the residual add folded in,
-// rotate-half RoPE, and the new keys and values written into the paged pool.
+// rotate-half RoPE, and the new keys and values written into the paged pool; for float32 and bfloat16 tensors.
 //
 // Why: in a decode step these run between matmuls that stream the weights through the caches, so their
 // tensors are cold, and torch runs RMSNorm as seven ops and RoPE as about ten, each writing a fresh output to
 // cold memory. Here each row is read once and written once: at 80 decodes (SmolLM2-135M, float32,
 // benchmarks/step_ops.py) RMSNorm, RoPE and the KV store took 4.5, 1.9 and 1.5 ms of a decode step against
-// 7.7, 5.7 and 3.1 ms as torch ops (BENCHMARKS.md, session 5).
+// 7.7, 5.7 and 3.1 ms as torch ops (BENCHMARKS.md, session 5). In bfloat16 the torch ops are worse than in
+// float32 (each widens its whole tensor to float32 and rounds it back: 6.4 ms RMSNorm and 4.6 ms RoPE a step);
+// here a bfloat16 row is widened in registers, computed in float32 as the torch ops do, and rounded once.
 //
 // A step of a few hundred rows runs on the calling thread (too little work to split); long prefill chunks are
 // split across threads.
@@ -16,71 +18,111 @@
 
 namespace {
 constexpr int64_t kParallelRows = 512;
+
+inline float widen(float x) { return x; }
+
+inline float widen(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
 }
 
-extern "C" {
+// float32 to bfloat16 as torch rounds: to nearest, ties to even, a NaN stays a NaN.
+inline void narrow(float x, float* target) { *target = x; }
+
+inline void narrow(float x, uint16_t* target) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  *target = static_cast<uint16_t>(std::isnan(x) ? 0x7FC0u : rounded);
+}
 
 // sum = x + residual (when residual is given; rows of x and residual may be strided), normed = sum *
-// rsqrt(mean(sum^2) + eps) * weight; float32 [rows, cols], outputs contiguous.
-void add_rms_norm_f32(const float* x, int64_t x_stride, const float* residual, int64_t residual_stride,
-                      const float* weight, int64_t rows, int64_t cols, float eps, float* normed, float* sum,
-                      int threads) {
+// rsqrt(mean(sum^2) + eps) * weight; [rows, cols], outputs contiguous. The sum is rounded to the element type
+// before its squares are taken, as the torch ops round x + residual.
+template <typename T>
+void add_rms_norm(const T* x, int64_t x_stride, const T* residual, int64_t residual_stride, const T* weight,
+                  int64_t rows, int64_t cols, float eps, T* normed, T* sum, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows >= kParallelRows)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* source = x + r * x_stride;
-    float* total = residual != nullptr ? sum + r * cols : nullptr;
+    const T* source = x + r * x_stride;
+    T* total = residual != nullptr ? sum + r * cols : nullptr;
     float squares = 0.0f;
     if (total != nullptr) {
-      const float* add = residual + r * residual_stride;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t c = 0; c < cols; ++c) {
-        total[c] = source[c] + add[c];
-        squares += total[c] * total[c];
-      }
-      source = total;
-    } else {
-#pragma omp simd reduction(+ : squares)
-      for (int64_t c = 0; c < cols; ++c) squares += source[c] * source[c];
-    }
-    const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(cols) + eps);
-    float* target = normed + r * cols;
+      const T* add = residual + r * residual_stride;
 #pragma omp simd
-    for (int64_t c = 0; c < cols; ++c) target[c] = source[c] * inverse * weight[c];
+      for (int64_t c = 0; c < cols; ++c) narrow(widen(source[c]) + widen(add[c]), &total[c]);
+      source = total;
+    }
+#pragma omp simd reduction(+ : squares)
+    for (int64_t c = 0; c < cols; ++c) squares += widen(source[c]) * widen(source[c]);
+    const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(cols) + eps);
+    T* target = normed + r * cols;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) narrow(widen(source[c]) * inverse * widen(weight[c]), &target[c]);
   }
 }
 
 // Rotate-half RoPE of one tensor's heads [tokens, heads, width] (token and head strides given, the last
-// dimension contiguous) into a contiguous [tokens, heads, width]: with cos and sin from the table row of the
-// token's position ([positions, width]: cos then sin, width / 2 each), the first half becomes
+// dimension contiguous) into a contiguous [tokens, heads, width]: with cos and sin from the float32 table row of
+// the token's position ([positions, width]: cos then sin, width / 2 each), the first half becomes
 // x1 * cos - x2 * sin and the second x2 * cos + x1 * sin.
-void rope_f32(const float* x, int64_t token_stride, int64_t head_stride, int64_t heads, const int64_t* positions,
-              const float* table, int64_t width, int64_t tokens, float* out, int threads) {
+template <typename T>
+void rope(const T* x, int64_t token_stride, int64_t head_stride, int64_t heads, const int64_t* positions,
+          const float* table, int64_t width, int64_t tokens, T* out, int threads) {
   const int64_t half = width / 2;
 #pragma omp parallel for num_threads(threads) if (tokens >= kParallelRows)
   for (int64_t t = 0; t < tokens; ++t) {
     const float* cos = table + positions[t] * width;
     const float* sin = cos + half;
     for (int64_t h = 0; h < heads; ++h) {
-      const float* first = x + t * token_stride + h * head_stride;
-      const float* second = first + half;
-      float* target = out + (t * heads + h) * width;
+      const T* first = x + t * token_stride + h * head_stride;
+      const T* second = first + half;
+      T* target = out + (t * heads + h) * width;
 #pragma omp simd
       for (int64_t d = 0; d < half; ++d) {
-        target[d] = first[d] * cos[d] - second[d] * sin[d];
-        target[half + d] = second[d] * cos[d] + first[d] * sin[d];
+        const float a = widen(first[d]), b = widen(second[d]);
+        narrow(a * cos[d] - b * sin[d], &target[d]);
+        narrow(b * cos[d] + a * sin[d], &target[half + d]);
       }
     }
   }
 }
+}  // namespace
 
-// Each token's key and value row ([kv_heads * dim] floats, rows strided) into its pool slot; a negative slot
+extern "C" {
+
+void add_rms_norm_f32(const float* x, int64_t x_stride, const float* residual, int64_t residual_stride,
+                      const float* weight, int64_t rows, int64_t cols, float eps, float* normed, float* sum,
+                      int threads) {
+  add_rms_norm(x, x_stride, residual, residual_stride, weight, rows, cols, eps, normed, sum, threads);
+}
+
+void add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* residual, int64_t residual_stride,
+                       const uint16_t* weight, int64_t rows, int64_t cols, float eps, uint16_t* normed, uint16_t* sum,
+                       int threads) {
+  add_rms_norm(x, x_stride, residual, residual_stride, weight, rows, cols, eps, normed, sum, threads);
+}
+
+void rope_f32(const float* x, int64_t token_stride, int64_t head_stride, int64_t heads, const int64_t* positions,
+              const float* table, int64_t width, int64_t tokens, float* out, int threads) {
+  rope(x, token_stride, head_stride, heads, positions, table, width, tokens, out, threads);
+}
+
+void rope_bf16(const uint16_t* x, int64_t token_stride, int64_t head_stride, int64_t heads, const int64_t* positions,
+               const float* table, int64_t width, int64_t tokens, uint16_t* out, int threads) {
+  rope(x, token_stride, head_stride, heads, positions, table, width, tokens, out, threads);
+}
+
+// Each token's key and value row (`row_bytes`, rows `stride` bytes apart) into its pool slot; a negative slot
 // (a padding row) is skipped. torch did this as a mask test that synchronises, then two index copies.
-void store_kv_f32(const float* key, int64_t key_stride, const float* value, int64_t value_stride,
-                  const int64_t* slots, int64_t tokens, int64_t width, float* k_cache, float* v_cache) {
+void store_kv(const char* key, int64_t key_stride, const char* value, int64_t value_stride, const int64_t* slots,
+              int64_t tokens, int64_t row_bytes, char* k_cache, char* v_cache) {
   for (int64_t t = 0; t < tokens; ++t) {
     if (slots[t] < 0) continue;
-    std::memcpy(k_cache + slots[t] * width, key + t * key_stride, width * 4);
-    std::memcpy(v_cache + slots[t] * width, value + t * value_stride, width * 4);
+    std::memcpy(k_cache + slots[t] * row_bytes, key + t * key_stride, row_bytes);
+    std::memcpy(v_cache + slots[t] * row_bytes, value + t * value_stride, row_bytes);
   }
 }
 }
