@@ -49,19 +49,27 @@ def reported_errors(command: str, log_dir: Path | None = None) -> Iterator[None]
     except KeyboardInterrupt:
         print(f"{command}: interrupted", file=sys.stderr)
         sys.exit(130)  # 128 + SIGINT, as a shell reports it
-    except JobError as error:
-        print(f"{command}: error: {one_line(str(error))}", file=sys.stderr)
-        sys.exit(error.exit_status)
     except Exception as error:  # noqa: BLE001 - the one place every unforeseen error is turned into a report
-        if is_disk_full(error):  # a write no caller named (Hydra's log, a library's cache): the user's to fix
-            where = Path(getattr(error, "filename", None) or log_dir or ".")
-            print(f"{command}: error: {one_line(disk_full_message(error, where))}", file=sys.stderr)
-            sys.exit(DiskFull.exit_status)
+        fault = user_fault(error, log_dir)
+        if fault is not None:
+            print(f"{command}: error: {one_line(str(fault))}", file=sys.stderr)
+            sys.exit(fault.exit_status)
         log = _write_traceback(command, log_dir)
         summary = one_line(f"{type(error).__name__}: {error}")[:SHOWN_CHARS]
         print(f"{command}: error: unexpected {summary}; this is a bug, the full traceback is in {log}",
               file=sys.stderr)
         sys.exit(BUG_EXIT_STATUS)
+
+
+def user_fault(error: Exception, log_dir: Path | None = None) -> JobError | None:
+    """The fault the user fixes that `error` is, as a JobError whose message a command prints after `error: ` (and the
+    Python API raises): a JobError itself; a full disk wherever it was met (a write no caller named: Hydra's log, a
+    library's cache) as DiskFull, named by its file or else `log_dir`; None for anything else, a bug."""
+    if isinstance(error, JobError):
+        return error
+    if is_disk_full(error):
+        return DiskFull(disk_full_message(error, Path(getattr(error, "filename", None) or log_dir or ".")))
+    return None
 
 
 def _write_traceback(command: str, log_dir: Path | None) -> Path:
@@ -103,6 +111,22 @@ def unwritable_reason(path: Path, error: OSError) -> str:
     return error.strerror or str(error)
 
 
+def checked_job(cfg: DictConfig) -> JobSettings:
+    """The settings a job runs on, from a composed config: checked (settings.py), with a writable output.dir.
+    Every command and the Python API (batchprefill.api) start a job through this."""
+    job = JobSettings.from_config(cfg)
+    check_output_dir(job.output.dir)
+    return job
+
+
+def config_error(error: HydraException | OmegaConfBaseException) -> JobError:
+    """A bad override or config key as the JobError a user reads: Hydra's message, with OmegaConf's cause (the
+    key that is not in the config) when it has one. The command line and the Python API compose alike."""
+    cause = error.__cause__
+    detail = f" {cause}" if isinstance(cause, OmegaConfBaseException) else ""
+    return JobError(f"{error}{detail}")
+
+
 def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[], None]:
     """A Hydra entry point on conf/config.yaml: the config is parsed once into JobSettings, which the task gets;
     any error ends it in one line (see `reported_errors`).
@@ -114,9 +138,7 @@ def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[
     @functools.wraps(task)
     def run(cfg: DictConfig) -> None:
         with reported_errors(command, Path(HydraConfig.get().runtime.output_dir)):
-            job = JobSettings.from_config(cfg)
-            check_output_dir(job.output.dir)
-            task(job)
+            task(checked_job(cfg))
 
     hydra_main = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(run)
 
@@ -126,9 +148,7 @@ def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[
             try:
                 hydra_main()
             except (HydraException, OmegaConfBaseException) as error:
-                cause = error.__cause__
-                detail = f" {cause}" if isinstance(cause, OmegaConfBaseException) else ""
-                raise JobError(f"{error}{detail}") from error
+                raise config_error(error) from error
             except OSError as error:  # Hydra writes its run folder (hydra.run.dir) under output.dir
                 path = Path(error.filename or ".")
                 if is_disk_full(error):

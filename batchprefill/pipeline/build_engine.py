@@ -26,11 +26,15 @@ class JobModel:
     """The model loaded for a job, with what every engine built on it shares."""
 
     loaded: LoadedModel
-    config: ModelConfig
+    files: ModelFiles  # what it was loaded from: a Runner's later jobs prepare their input with its tokenizer
     device: torch.device
     dtype: torch.dtype
     kv_dtype: torch.dtype
     graph_safe_decode: bool
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.files.config
 
 
 def structured_outputs(job: JobSettings, prepared: Prepared) -> StructuredOutputs:
@@ -64,7 +68,7 @@ def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
     kv_dtype = dtype if settings.kv_cache_dtype == "auto" else resolve_dtype(settings.kv_cache_dtype, device)
     ops = make_ops(settings.attention_backend, device)
     loaded = load_model(files.folder, dtype, device, ops, files.config, files.identity)
-    return JobModel(loaded, files.config, device, dtype, kv_dtype, ops.graph_safe_decode)
+    return JobModel(loaded, files, device, dtype, kv_dtype, ops.graph_safe_decode)
 
 
 def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tokens_needed: int,

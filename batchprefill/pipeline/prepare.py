@@ -45,9 +45,11 @@ def open_model(settings: ModelSettings) -> ModelFiles:
     return ModelFiles(folder, read_model_config(folder), model_identity(folder), PromptTokenizer(folder))
 
 
-def prepare_job(job: JobSettings) -> Prepared:
+def prepare_job(job: JobSettings, model: ModelFiles | None = None) -> Prepared:
+    """The job's input partitioned for its model: `model` when a caller opened it already (a Runner keeps it), else
+    the one `model.path` names."""
     files, fmt = resolve_input(job.data.input, job.data.format)
-    model = open_model(job.model)
+    model = model or open_model(job.model)
     if (job.data.chat_template or job.data.columns.messages) and model.tokenizer.chat_template is None:
         asked = "data.chat_template=true" if job.data.chat_template else "a conversation column"
         raise JobError(f"{asked} needs a chat template, but {model.folder} has none")
