@@ -613,6 +613,23 @@ struct TileScratch {
   std::vector<float> products;    // [16 rows][dim]
 };
 
+// exp(x) for x <= 0 in about half the instructions of exp_nonpositive: 2^(x log2 e) as 2^n (scalef) times a
+// degree-5 polynomial of 2^f on [-0.5, 0.5] (relative error about 3e-6). The softmax weights it makes are rounded
+// to bfloat16 (2^-9) for the tile product anyway; in the walks over a decode's own blocks, where 3 of a tile's 16
+// rows are real, the exponentials were a third of the time.
+inline __m512 exp_weights(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // Rows `row_of(r)` (each `dim` floats) packed as the B operand of S^T = K Q^T, tile by tile of 16 rows.
 template <typename RowOf>
 void pack_queries(RowOf row_of, int64_t n, int64_t dim, uint32_t* packed) {
@@ -663,10 +680,13 @@ inline void zero_and_store_output(int64_t i, float* target, int64_t stride, bool
   }
 }
 
-// n rows (packed by pack_queries) of one KV head over `length` tokens of `blocks`, continuing their online softmax:
-// maxes and sums [tiles * 16], acc [n][dim] (unnormalized). Heads up to 128 wide (four query tiles).
-void walk_tiles(const uint32_t* packed, int64_t n, const Pool<uint16_t>& pool, int64_t head, const int64_t* blocks,
-                int64_t length, float scale, TileScratch& s, float* maxes, float* sums, float* acc) {
+// n rows per KV head (packed by pack_queries, [heads][tiles][...]) over `length` tokens of `blocks`, continuing their
+// online softmax: maxes and sums [heads][tiles * 16], acc [heads][n][dim] (unnormalized). Every head of a chunk is
+// walked before the next chunk, whose blocks are requested meanwhile: a block holds all heads' rows of its tokens
+// (6 KB at SmolLM2's 3 KV heads), and walking one head at a time over every block read each block three times in
+// scattered thirds. Heads up to 128 wide (four query tiles).
+void walk_tiles(const uint32_t* packed, int64_t n, const Pool<uint16_t>& pool, const int64_t* blocks, int64_t length,
+                float scale, TileScratch& s, float* maxes, float* sums, float* acc) {
   const int64_t dim = pool.dim, depth = dim / 32, tiles = (n + 15) / 16, dim_tiles = dim / 16;
   const int64_t stride = pool.token_stride * 2;  // bytes between a head's tokens
   // 16-bit lanes (a0 b0 a1 b1 ... a15 b15) and (a16 b16 ... a31 b31) of two 32-lane vectors; and the two halves
@@ -686,98 +706,89 @@ void walk_tiles(const uint32_t* packed, int64_t n, const Pool<uint16_t>& pool, i
   for (int64_t start = 0; start < length; start += kChunk) {
     const int64_t count = std::min(kChunk, length - start);
     const int64_t slices = (count + 15) / 16, groups = (count + 31) / 32;
-    const uint16_t* keys[kChunk / 16];
-    const uint16_t* values[kChunk / 16];
+    int64_t slice_offsets[kChunk / 16];
     for (int64_t i = 0; i < slices; ++i) {
       const int64_t token = start + 16 * i;
-      const int64_t offset = blocks[token / pool.block] * pool.block_stride + (token % pool.block) * pool.token_stride
-                             + head * dim;
-      keys[i] = pool.k_cache + offset;
-      values[i] = pool.v_cache + offset;
+      slice_offsets[i] = blocks[token / pool.block] * pool.block_stride + (token % pool.block) * pool.token_stride;
     }
-    // the next chunk's rows of this head, requested now: blocks lie anywhere in the pool, and the loads of the
-    // keys and values (about 11 GB/s on one core without this) were most of the walk over long own blocks
-    for (int64_t token = start + kChunk; token < std::min(length, start + 2 * kChunk); ++token) {
-      const int64_t offset = blocks[token / pool.block] * pool.block_stride + (token % pool.block) * pool.token_stride
-                             + head * dim;
-      for (int64_t byte = 0; byte < dim * 2; byte += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(pool.k_cache + offset) + byte);
-        __builtin_prefetch(reinterpret_cast<const char*>(pool.v_cache + offset) + byte);
-      }
-    }
-    for (int64_t p = 0; p < 16 * groups; ++p) {
-      const int64_t first = 2 * p;
-      uint32_t* group = packed_values + (p / 16) * dim_tiles * 256 + (p % 16) * 16;
-      for (int64_t d = 0; d < dim; d += 32) {
-        __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
-        if (first < count) a = _mm512_loadu_si512(values[first / 16] + (first % 16) * pool.token_stride + d);
-        if (first + 1 < count) b = _mm512_loadu_si512(values[first / 16] + (first % 16 + 1) * pool.token_stride + d);
-        _mm512_storeu_si512(group + (d / 16) * 256, _mm512_permutex2var_epi16(a, low_index, b));
-        _mm512_storeu_si512(group + (d / 16 + 1) * 256, _mm512_permutex2var_epi16(a, high_index, b));
-      }
-    }
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      const uint32_t* queries = packed + tile * depth * 256;
-      for (int64_t k = 0; k < depth; ++k) load_query_tile(k, queries + k * 256);
+    for (int64_t head = 0; head < pool.heads; ++head) {
+      const uint16_t* keys[kChunk / 16];
+      const uint16_t* values[kChunk / 16];
       for (int64_t i = 0; i < slices; ++i) {
-        _tile_zero(0);
-        for (int64_t k = 0; k < depth; ++k) {
-          _tile_loadd(1, keys[i] + 32 * k, stride);
-          score_product(k);
+        keys[i] = pool.k_cache + slice_offsets[i] + head * dim;
+        values[i] = pool.v_cache + slice_offsets[i] + head * dim;
+      }
+      for (int64_t p = 0; p < 16 * groups; ++p) {
+        const int64_t first = 2 * p;
+        uint32_t* group = packed_values + (p / 16) * dim_tiles * 256 + (p % 16) * 16;
+        for (int64_t d = 0; d < dim; d += 32) {
+          __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+          if (first < count) a = _mm512_loadu_si512(values[first / 16] + (first % 16) * pool.token_stride + d);
+          if (first + 1 < count) b = _mm512_loadu_si512(values[first / 16] + (first % 16 + 1) * pool.token_stride + d);
+          _mm512_storeu_si512(group + (d / 16) * 256, _mm512_permutex2var_epi16(a, low_index, b));
+          _mm512_storeu_si512(group + (d / 16 + 1) * 256, _mm512_permutex2var_epi16(a, high_index, b));
         }
-        _tile_stored(0, scores + 256 * i, 64);
       }
-      float* tile_max = maxes + 16 * tile;
-      float* tile_sum = sums + 16 * tile;
-      const __m512 previous = _mm512_loadu_ps(tile_max);
-      __m512 running = previous;
-      for (int64_t t = 0; t < count; ++t) {
-        const __m512 score = _mm512_mul_ps(_mm512_loadu_ps(scores + 16 * t), scaling);
-        _mm512_storeu_ps(scores + 16 * t, score);
-        running = _mm512_max_ps(running, score);
-      }
-      __m512 added = _mm512_setzero_ps();
-      for (int64_t t = 0; t < 32 * groups; ++t) {
-        __m512 weight = _mm512_setzero_ps();
-        if (t < count) {
-          weight = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + 16 * t), running));
-          added = _mm512_add_ps(added, weight);
-        }
-        _mm512_storeu_ps(scores + 16 * t, weight);
-      }
-      const __m512 rescale = exp_nonpositive(_mm512_sub_ps(previous, running));
-      _mm512_storeu_ps(tile_max, running);
-      _mm512_storeu_ps(tile_sum, _mm512_fmadd_ps(_mm512_loadu_ps(tile_sum), rescale, added));
-      uint32_t* pairs = s.pairs.data();
-      for (int64_t g = 0; g < groups; ++g) {
-        for (int64_t p = 0; p < 16; ++p) {
-          const float* two_tokens = scores + 16 * (32 * g + 2 * p);
-          const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(two_tokens + 16), _mm512_loadu_ps(two_tokens));
-          _mm512_storeu_si512(pairs + 16 * p, _mm512_permutexvar_epi16(pair_index, reinterpret_cast<__m512i>(both)));
-        }
-        transpose_16x16(pairs, s.weights.data() + 256 * g);
-      }
-      for (int64_t first = 0; first < dim_tiles; first += 4) {  // four output tiles at a time
-        const int64_t span = std::min<int64_t>(4, dim_tiles - first);
-        for (int64_t j = 0; j < span; ++j) zero_and_store_output(j, nullptr, 0, false);
-        for (int64_t g = 0; g < groups; ++g) {
-          _tile_loadd(0, s.weights.data() + 256 * g, 64);
-          for (int64_t j = 0; j < span; ++j) {
-            _tile_loadd(1, packed_values + (g * dim_tiles + first + j) * 256, 64);
-            value_product(j);
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const uint32_t* queries = packed + (head * tiles + tile) * depth * 256;
+        for (int64_t k = 0; k < depth; ++k) load_query_tile(k, queries + k * 256);
+        for (int64_t i = 0; i < slices; ++i) {
+          _tile_zero(0);
+          for (int64_t k = 0; k < depth; ++k) {
+            _tile_loadd(1, keys[i] + 32 * k, stride);
+            score_product(k);
           }
+          _tile_stored(0, scores + 256 * i, 64);
         }
-        for (int64_t j = 0; j < span; ++j) zero_and_store_output(j, products + 16 * (first + j), dim * 4, true);
-      }
-      alignas(64) float factors[16];
-      _mm512_store_ps(factors, rescale);
-      const int64_t real = std::min<int64_t>(16, n - 16 * tile);
-      for (int64_t r = 0; r < real; ++r) {
-        const __m512 factor = _mm512_set1_ps(factors[r]);
-        float* row = acc + (16 * tile + r) * dim;
-        for (int64_t d = 0; d < dim; d += 16)
-          _mm512_storeu_ps(row + d, _mm512_fmadd_ps(_mm512_loadu_ps(row + d), factor,
-                                                    _mm512_loadu_ps(products + r * dim + d)));
+        float* tile_max = maxes + 16 * (head * tiles + tile);
+        float* tile_sum = sums + 16 * (head * tiles + tile);
+        const __m512 previous = _mm512_loadu_ps(tile_max);
+        __m512 highest = _mm512_set1_ps(-FLT_MAX);  // of the raw products; the scale is positive
+        for (int64_t t = 0; t < count; ++t) highest = _mm512_max_ps(highest, _mm512_loadu_ps(scores + 16 * t));
+        const __m512 running = _mm512_max_ps(previous, _mm512_mul_ps(highest, scaling));
+        __m512 added = _mm512_setzero_ps();
+        for (int64_t t = 0; t < 32 * groups; ++t) {
+          __m512 weight = _mm512_setzero_ps();
+          if (t < count) {
+            weight = exp_weights(_mm512_fmsub_ps(_mm512_loadu_ps(scores + 16 * t), scaling, running));
+            added = _mm512_add_ps(added, weight);
+          }
+          _mm512_storeu_ps(scores + 16 * t, weight);
+        }
+        const __m512 rescale = exp_weights(_mm512_sub_ps(previous, running));
+        _mm512_storeu_ps(tile_max, running);
+        _mm512_storeu_ps(tile_sum, _mm512_fmadd_ps(_mm512_loadu_ps(tile_sum), rescale, added));
+        uint32_t* pairs = s.pairs.data();
+        for (int64_t g = 0; g < groups; ++g) {
+          for (int64_t p = 0; p < 16; ++p) {
+            const float* two_tokens = scores + 16 * (32 * g + 2 * p);
+            const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(two_tokens + 16), _mm512_loadu_ps(two_tokens));
+            _mm512_storeu_si512(pairs + 16 * p, _mm512_permutexvar_epi16(pair_index, reinterpret_cast<__m512i>(both)));
+          }
+          transpose_16x16(pairs, s.weights.data() + 256 * g);
+        }
+        for (int64_t first = 0; first < dim_tiles; first += 4) {  // four output tiles at a time
+          const int64_t span = std::min<int64_t>(4, dim_tiles - first);
+          for (int64_t j = 0; j < span; ++j) zero_and_store_output(j, nullptr, 0, false);
+          for (int64_t g = 0; g < groups; ++g) {
+            _tile_loadd(0, s.weights.data() + 256 * g, 64);
+            for (int64_t j = 0; j < span; ++j) {
+              _tile_loadd(1, packed_values + (g * dim_tiles + first + j) * 256, 64);
+              value_product(j);
+            }
+          }
+          for (int64_t j = 0; j < span; ++j) zero_and_store_output(j, products + 16 * (first + j), dim * 4, true);
+        }
+        alignas(64) float factors[16];
+        _mm512_store_ps(factors, rescale);
+        const int64_t real = std::min<int64_t>(16, n - 16 * tile);
+        for (int64_t r = 0; r < real; ++r) {
+          const __m512 factor = _mm512_set1_ps(factors[r]);
+          float* row = acc + (head * n + 16 * tile + r) * dim;
+          for (int64_t d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(row + d, _mm512_fmadd_ps(_mm512_loadu_ps(row + d), factor,
+                                                      _mm512_loadu_ps(products + r * dim + d)));
+        }
       }
     }
   }
@@ -803,54 +814,63 @@ void decode_sets_tiles(const float* query, const Pool<uint16_t>& pool, const Pla
   {
     configure_tiles();
     TileScratch s;
-    s.queries.resize(padded * dim / 2);
+    s.queries.resize(kv_heads * padded * dim / 2);
     s.values.resize(kChunk / 32 * dim * 16);
     s.pairs.resize(256);
     s.weights.resize(kChunk / 32 * 256);
     s.scores.resize(kChunk * 16);
     s.products.resize(16 * dim);
-    std::vector<float> maxes(padded), sums(padded), acc(padded * dim);
+    std::vector<float> maxes(kv_heads * padded), sums(kv_heads * padded), acc(kv_heads * padded * dim);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t set = 0; set < num_sets; ++set) {
       const int64_t first = sets[3 * set], members = sets[3 * set + 1], shared = sets[3 * set + 2];
       if (shared == 0) continue;
-      const int64_t n = members * per_kv;
+      const int64_t n = members * per_kv, width = (n + 15) / 16 * 16;  // rows per head, and padded to tiles
       for (int64_t h = 0; h < kv_heads; ++h) {
-        pack_queries([&](int64_t r) { return query + rows[first + r / per_kv] * row_stride + (h * per_kv + r % per_kv) * dim; },
-                     n, dim, s.queries.data());
-        std::fill(maxes.begin(), maxes.end(), -FLT_MAX);
-        std::fill(sums.begin(), sums.end(), 0.0f);
-        std::fill(acc.begin(), acc.begin() + n * dim, 0.0f);
-        walk_tiles(s.queries.data(), n, pool, h, plan.shared_blocks + set * plan.shared_width, shared, scale, s,
-                   maxes.data(), sums.data(), acc.data());
+        const auto row_of = [&](int64_t r) {
+          return query + rows[first + r / per_kv] * row_stride + (h * per_kv + r % per_kv) * dim;
+        };
+        pack_queries(row_of, n, dim, s.queries.data() + h * width * dim / 2);
+      }
+      std::fill(maxes.begin(), maxes.end(), -FLT_MAX);
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      std::fill(acc.begin(), acc.begin() + kv_heads * n * dim, 0.0f);
+      walk_tiles(s.queries.data(), n, pool, plan.shared_blocks + set * plan.shared_width, shared, scale, s,
+                 maxes.data(), sums.data(), acc.data());
+      for (int64_t h = 0; h < kv_heads; ++h) {
         for (int64_t r = 0; r < n; ++r) {
           const int64_t decode = first + r / per_kv, q = h * per_kv + r % per_kv;
           continues[decode] = 1;
-          carried[2 * (decode * q_heads + q)] = maxes[r];
-          carried[2 * (decode * q_heads + q) + 1] = sums[r];
-          std::memcpy(out + rows[decode] * row_stride + q * dim, acc.data() + r * dim, dim * 4);
+          carried[2 * (decode * q_heads + q)] = maxes[h * width + r];
+          carried[2 * (decode * q_heads + q) + 1] = sums[h * width + r];
+          std::memcpy(out + rows[decode] * row_stride + q * dim, acc.data() + (h * n + r) * dim, dim * 4);
         }
       }
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t decode = 0; decode < decodes; ++decode) {
-      float* target = out + rows[decode] * row_stride;
+      float* target = out + rows[decode] * row_stride;  // [kv heads][per_kv][dim]: the walk's acc layout
       const float* source = query + rows[decode] * row_stride;
+      const int64_t width = (per_kv + 15) / 16 * 16;
       if (!continues[decode]) std::fill(target, target + row_stride, 0.0f);
       for (int64_t h = 0; h < kv_heads; ++h) {
         for (int64_t r = 0; r < per_kv; ++r) {
           const int64_t q = h * per_kv + r;
-          maxes[r] = continues[decode] ? carried[2 * (decode * q_heads + q)] : -FLT_MAX;
-          sums[r] = continues[decode] ? carried[2 * (decode * q_heads + q) + 1] : 0.0f;
+          maxes[h * width + r] = continues[decode] ? carried[2 * (decode * q_heads + q)] : -FLT_MAX;
+          sums[h * width + r] = continues[decode] ? carried[2 * (decode * q_heads + q) + 1] : 0.0f;
         }
-        pack_queries([&](int64_t r) { return source + (h * per_kv + r) * dim; }, per_kv, dim, s.queries.data());
-        float* head_out = target + h * per_kv * dim;
-        walk_tiles(s.queries.data(), per_kv, pool, h, plan.own_blocks + decode * plan.own_width,
-                   plan.own_lens[decode], scale, s, maxes.data(), sums.data(), head_out);
+        pack_queries([&](int64_t r) { return source + (h * per_kv + r) * dim; }, per_kv, dim,
+                     s.queries.data() + h * width * dim / 2);
+      }
+      walk_tiles(s.queries.data(), per_kv, pool, plan.own_blocks + decode * plan.own_width, plan.own_lens[decode],
+                 scale, s, maxes.data(), sums.data(), target);
+      for (int64_t h = 0; h < kv_heads; ++h) {
         for (int64_t r = 0; r < per_kv; ++r) {
-          const float inverse = sums[r] > 0.0f ? 1.0f / sums[r] : 0.0f;
+          const float total = sums[h * width + r];
+          const float inverse = total > 0.0f ? 1.0f / total : 0.0f;  // a row that read no token gets zeros
+          float* row = target + (h * per_kv + r) * dim;
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) head_out[r * dim + d] *= inverse;
+          for (int64_t d = 0; d < dim; ++d) row[d] *= inverse;
         }
       }
     }
