@@ -12,6 +12,10 @@
 // A step of a few hundred rows runs on the calling thread (too little work to split); long prefill chunks are
 // split across threads.
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -89,6 +93,76 @@ void rope(const T* x, int64_t token_stride, int64_t head_stride, int64_t heads, 
     }
   }
 }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// bfloat16 rows 16 at a time in the vector registers: the scalar widen/narrow above do not vectorize (the
+// rounding's NaN test and the bit copies stop the compiler), which made the bfloat16 RMSNorm 1.5x the float32 one.
+// VCVTNEPS2BF16 rounds to nearest even like torch; a NaN stays a NaN.
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+inline void store16(uint16_t* p, __mmask16 m, __m512 x) {
+  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+}
+
+template <>
+void add_rms_norm<uint16_t>(const uint16_t* x, int64_t x_stride, const uint16_t* residual, int64_t residual_stride,
+                            const uint16_t* weight, int64_t rows, int64_t cols, float eps, uint16_t* normed,
+                            uint16_t* sum, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows >= kParallelRows)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* source = x + r * x_stride;
+    __m512 squares = _mm512_setzero_ps();
+    if (residual != nullptr) {
+      const uint16_t* add = residual + r * residual_stride;
+      uint16_t* total = sum + r * cols;
+      for (int64_t c = 0; c < cols; c += 16) {
+        const __mmask16 m = lanes(cols - c);
+        store16(total + c, m, _mm512_add_ps(load16(source + c, m), load16(add + c, m)));
+        const __m512 rounded = load16(total + c, m);  // the squares of the sum as stored, as torch takes them
+        squares = _mm512_fmadd_ps(rounded, rounded, squares);
+      }
+      source = total;
+    } else {
+      for (int64_t c = 0; c < cols; c += 16) {
+        const __m512 value = load16(source + c, lanes(cols - c));
+        squares = _mm512_fmadd_ps(value, value, squares);
+      }
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / cols + eps));
+    uint16_t* target = normed + r * cols;
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 m = lanes(cols - c);
+      store16(target + c, m, _mm512_mul_ps(_mm512_mul_ps(load16(source + c, m), inverse), load16(weight + c, m)));
+    }
+  }
+}
+
+template <>
+void rope<uint16_t>(const uint16_t* x, int64_t token_stride, int64_t head_stride, int64_t heads,
+                    const int64_t* positions, const float* table, int64_t width, int64_t tokens, uint16_t* out,
+                    int threads) {
+  const int64_t half = width / 2;
+#pragma omp parallel for num_threads(threads) if (tokens >= kParallelRows)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* cos = table + positions[t] * width;
+    const float* sin = cos + half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* first = x + t * token_stride + h * head_stride;
+      uint16_t* target = out + (t * heads + h) * width;
+      for (int64_t d = 0; d < half; d += 16) {
+        const __mmask16 m = lanes(half - d);
+        const __m512 a = load16(first + d, m), b = load16(first + half + d, m);
+        const __m512 c = _mm512_maskz_loadu_ps(m, cos + d), s = _mm512_maskz_loadu_ps(m, sin + d);
+        store16(target + d, m, _mm512_fmsub_ps(a, c, _mm512_mul_ps(b, s)));
+        store16(target + half + d, m, _mm512_fmadd_ps(b, c, _mm512_mul_ps(a, s)));
+      }
+    }
+  }
+}
+#endif
 }  // namespace
 
 extern "C" {
