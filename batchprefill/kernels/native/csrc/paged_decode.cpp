@@ -711,6 +711,11 @@ void walk_tiles(const uint32_t* packed, int64_t n, const Pool<uint16_t>& pool, c
       const int64_t token = start + 16 * i;
       slice_offsets[i] = blocks[token / pool.block] * pool.block_stride + (token % pool.block) * pool.token_stride;
     }
+    // the next chunk's blocks, requested now: blocks lie anywhere in the pool, so each is a fresh stream the
+    // hardware prefetcher would pick up late, and the walks over a step's 30 layers read their pools from memory
+    for (int64_t token = start + kChunk; token < std::min(length, start + 2 * kChunk); token += pool.block)
+      prefetch(pool.k_cache, pool.v_cache, blocks[token / pool.block] * pool.block_stride,
+               std::min(pool.block, length - token) * pool.token_stride);
     for (int64_t head = 0; head < pool.heads; ++head) {
       const uint16_t* keys[kChunk / 16];
       const uint16_t* values[kChunk / 16];
@@ -794,6 +799,14 @@ void walk_tiles(const uint32_t* packed, int64_t n, const Pool<uint16_t>& pool, c
   }
 }
 
+// The first chunk of a walk over `blocks`, requested before the walk ahead of it starts: most own walks are one
+// chunk long, so the prefetch inside a walk never covers them.
+inline void prefetch_walk(const Pool<uint16_t>& pool, const int64_t* blocks, int64_t length) {
+  for (int64_t token = 0; token < std::min(length, kChunk); token += pool.block)
+    prefetch(pool.k_cache, pool.v_cache, blocks[token / pool.block] * pool.block_stride,
+             std::min(pool.block, length - token) * pool.token_stride);
+}
+
 // decode_sets for a bfloat16 pool, each walk as tile matmuls (the same two phases and carried state).
 void decode_sets_tiles(const float* query, const Pool<uint16_t>& pool, const Plan& plan, float scale, float* out,
                        int threads) {
@@ -835,6 +848,8 @@ void decode_sets_tiles(const float* query, const Pool<uint16_t>& pool, const Pla
       std::fill(maxes.begin(), maxes.end(), -FLT_MAX);
       std::fill(sums.begin(), sums.end(), 0.0f);
       std::fill(acc.begin(), acc.begin() + kv_heads * n * dim, 0.0f);
+      if (set + threads < num_sets)  // the set this thread is likely to take next
+        prefetch_walk(pool, plan.shared_blocks + (set + threads) * plan.shared_width, sets[3 * (set + threads) + 2]);
       walk_tiles(s.queries.data(), n, pool, plan.shared_blocks + set * plan.shared_width, shared, scale, s,
                  maxes.data(), sums.data(), acc.data());
       for (int64_t h = 0; h < kv_heads; ++h) {
@@ -862,6 +877,8 @@ void decode_sets_tiles(const float* query, const Pool<uint16_t>& pool, const Pla
         pack_queries([&](int64_t r) { return source + (h * per_kv + r) * dim; }, per_kv, dim,
                      s.queries.data() + h * width * dim / 2);
       }
+      if (decode + threads < decodes)  // the decode this thread is likely to take next
+        prefetch_walk(pool, plan.own_blocks + (decode + threads) * plan.own_width, plan.own_lens[decode + threads]);
       walk_tiles(s.queries.data(), per_kv, pool, plan.own_blocks + decode * plan.own_width, plan.own_lens[decode],
                  scale, s, maxes.data(), sums.data(), target);
       for (int64_t h = 0; h < kv_heads; ++h) {
