@@ -22,6 +22,7 @@ run as bfloat16 tile products with float32 sums and a float32 online softmax (th
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,9 +68,10 @@ class PagedDecode:
             function.restype = None
             function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_void_p,
                                                                                  ctypes.c_int]
-            if dtype == torch.bfloat16:
-                function.argtypes += [ctypes.c_int]  # whether bfloat16 queries may walk as tile matmuls
             self._functions[dtype] = function
+        self._tiles_run = library.paged_decode_bf16_tiles_run  # bfloat16 queries and outputs, tile walks
+        self._tiles_run.restype = None
+        self._tiles_run.argtypes = function.argtypes
         self._tiles = library.paged_decode_bf16_tiles
         self._tiles.restype = ctypes.c_int
         self._tiles.argtypes = [ctypes.c_int64, ctypes.c_int64]
@@ -77,6 +79,7 @@ class PagedDecode:
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._functions
 
+    @functools.cache  # noqa: B019 (one kernel object per process)
     def uses_tiles(self, block: int, head_dim: int) -> bool:
         """Whether a bfloat16 model's decodes over a bfloat16 pool of this block and head size run as AMX tile
         matmuls (the CPU has AMX, Linux granted it, heads a multiple of 32 up to 128, blocks a multiple of 16)."""
@@ -121,15 +124,20 @@ class PagedDecode:
             out: torch.Tensor) -> None:
         _, q_heads, dim = query.shape
         kv_heads = k_cache.shape[2]
-        tiles = (query.dtype == torch.bfloat16,) if k_cache.dtype == torch.bfloat16 else ()
-        query = query.to(torch.float32).contiguous()  # held here: the call must not outlive a temporary
-        target = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(query)
-        self._functions[k_cache.dtype](
+        tiles = (query.dtype == k_cache.dtype == out.dtype == torch.bfloat16 and out.is_contiguous()
+                 and self.uses_tiles(k_cache.shape[1], dim))
+        if tiles:  # the flat batch's own bfloat16 rows in and out: 60 us a layer of copies saved at 80 decodes
+            query = query.contiguous()  # held here: the call must not outlive a temporary
+            function, target = self._tiles_run, out
+        else:
+            query = query.to(torch.float32).contiguous()
+            function = self._functions[k_cache.dtype]
+            target = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(query)
+        function(
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             plan.sets.data_ptr(), plan.shared_blocks.data_ptr(), plan.rows.data_ptr(), plan.own_blocks.data_ptr(),
             plan.own_lens.data_ptr(), plan.sets.shape[0], plan.shared_blocks.shape[1], plan.own_blocks.shape[1],
-            k_cache.shape[1], kv_heads, q_heads // kv_heads, dim, scale, target.data_ptr(), torch.get_num_threads(),
-            *tiles)
+            k_cache.shape[1], kv_heads, q_heads // kv_heads, dim, scale, target.data_ptr(), torch.get_num_threads())
         if target is not out:
             out.index_copy_(0, plan.rows, target.index_select(0, plan.rows).to(out.dtype))
 

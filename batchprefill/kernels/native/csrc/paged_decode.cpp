@@ -568,12 +568,6 @@ void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-inline uint16_t to_bf16(float x) {  // round to nearest even (queries and values here are finite)
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 // [16][16] 32-bit elements transposed in registers: four rounds of unpacks and lane shuffles.
 inline void transpose_16x16(const uint32_t* source, uint32_t* target) {
   __m512i r[16], t[16];
@@ -630,16 +624,16 @@ inline __m512 exp_weights(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Rows `row_of(r)` (each `dim` floats) packed as the B operand of S^T = K Q^T, tile by tile of 16 rows.
+// Rows `row_of(r)` (each `dim` bfloat16 values) packed as the B operand of S^T = K Q^T, tile by tile of 16 rows.
 template <typename RowOf>
 void pack_queries(RowOf row_of, int64_t n, int64_t dim, uint32_t* packed) {
   const int64_t tiles = (n + 15) / 16, depth = dim / 32;
   std::fill(packed, packed + tiles * depth * 256, 0u);
   for (int64_t r = 0; r < n; ++r) {
-    const float* q = row_of(r);
+    const uint16_t* q = row_of(r);
     uint32_t* tile = packed + (r / 16) * depth * 256 + r % 16;
     for (int64_t d = 0; d < dim; d += 2)
-      tile[(d / 32) * 256 + ((d % 32) / 2) * 16] = to_bf16(q[d]) | static_cast<uint32_t>(to_bf16(q[d + 1])) << 16;
+      tile[(d / 32) * 256 + ((d % 32) / 2) * 16] = q[d] | static_cast<uint32_t>(q[d + 1]) << 16;
   }
 }
 
@@ -813,8 +807,8 @@ inline void prefetch_walk(const Pool<uint16_t>& pool, const int64_t* blocks, int
 constexpr int64_t kTileTokens = 40;
 
 // decode_sets for a bfloat16 pool, each walk as tile matmuls (the same two phases and carried state).
-void decode_sets_tiles(const float* query, const Pool<uint16_t>& pool, const Plan& plan, float scale, float* out,
-                       int threads) {
+void decode_sets_tiles(const uint16_t* query, const Pool<uint16_t>& pool, const Plan& plan, float scale,
+                       uint16_t* out, int threads) {
   const int64_t* sets = plan.sets;
   const int64_t* rows = plan.rows;
   const int64_t num_sets = plan.num_sets, per_kv = plan.per_kv;
@@ -828,6 +822,8 @@ void decode_sets_tiles(const float* query, const Pool<uint16_t>& pool, const Pla
   const int64_t padded = (most + 15) / 16 * 16;
   std::vector<float> carried(2 * decodes * q_heads);
   std::vector<char> continues(decodes, 0);
+  // each decode's float32 sums between the walks ([decodes][q_heads][dim]); the bfloat16 output is written once
+  std::vector<float> staged(decodes * row_stride);
 #pragma omp parallel num_threads(threads)
   {
     configure_tiles();
@@ -869,14 +865,14 @@ void decode_sets_tiles(const float* query, const Pool<uint16_t>& pool, const Pla
           continues[decode] = 1;
           carried[2 * (decode * q_heads + q)] = maxes[h * width + r];
           carried[2 * (decode * q_heads + q) + 1] = sums[h * width + r];
-          std::memcpy(out + rows[decode] * row_stride + q * dim, acc.data() + (h * n + r) * dim, dim * 4);
+          std::memcpy(staged.data() + decode * row_stride + q * dim, acc.data() + (h * n + r) * dim, dim * 4);
         }
       }
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t decode = 0; decode < decodes; ++decode) {
-      float* target = out + rows[decode] * row_stride;  // [kv heads][per_kv][dim]: the walk's acc layout
-      const float* source = query + rows[decode] * row_stride;
+      float* target = staged.data() + decode * row_stride;  // [kv heads][per_kv][dim]: the walk's acc layout
+      const uint16_t* source = query + rows[decode] * row_stride;
       const int64_t width = (per_kv + 15) / 16 * 16;
       if (!continues[decode]) std::fill(target, target + row_stride, 0.0f);
       for (int64_t h = 0; h < kv_heads; ++h) {
@@ -897,7 +893,8 @@ void decode_sets_tiles(const float* query, const Pool<uint16_t>& pool, const Pla
             few_maxes[h * per_kv + r] = maxes[h * width + r];
             few_sums[h * per_kv + r] = sums[h * width + r];
           }
-        for (int64_t i = 0; i < row_stride; ++i) vector.rows[i] = scale * source[i];
+        widen(source, vector.rows.data(), row_stride);
+        for (int64_t i = 0; i < row_stride; ++i) vector.rows[i] *= scale;
         walk_few<true>(vector.rows.data(), per_kv, pool, plan.own_blocks + decode * plan.own_width, length, vector,
                        few_maxes.data(), few_sums.data(), target);
         for (int64_t h = 0; h < kv_heads; ++h)
@@ -910,9 +907,11 @@ void decode_sets_tiles(const float* query, const Pool<uint16_t>& pool, const Pla
         for (int64_t r = 0; r < per_kv; ++r) {
           const float total = sums[h * width + r];
           const float inverse = total > 0.0f ? 1.0f / total : 0.0f;  // a row that read no token gets zeros
-          float* row = target + (h * per_kv + r) * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) row[d] *= inverse;
+          const float* row = target + (h * per_kv + r) * dim;
+          uint16_t* written = out + rows[decode] * row_stride + (h * per_kv + r) * dim;
+          for (int64_t d = 0; d < dim; d += 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(written + d), reinterpret_cast<__m256i>(
+                                    _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + d), _mm512_set1_ps(inverse)))));
         }
       }
     }
@@ -922,7 +921,7 @@ void decode_sets_tiles(const float* query, const Pool<uint16_t>& pool, const Pla
 #else
 constexpr bool kTiles = false;
 bool tiles_permitted() { return false; }
-void decode_sets_tiles(const float*, const Pool<uint16_t>&, const Plan&, float, float*, int) {}
+void decode_sets_tiles(const uint16_t*, const Pool<uint16_t>&, const Plan&, float, uint16_t*, int) {}
 #endif
 
 // Whether a bfloat16 pool of this shape walks as tile matmuls: AMX built in and granted, heads a multiple of 32
@@ -931,15 +930,10 @@ bool takes_tiles(int64_t block, int64_t dim) {
   return kTiles && dim % 32 == 0 && dim <= 128 && block % 16 == 0 && tiles_permitted();
 }
 
-// `tiles`: a bfloat16 model's queries (exact in bfloat16) may walk as tile matmuls; a float32 model's over a
-// bfloat16 pool keeps the float32 walks, which do not round its queries.
 template <typename Cache>
 void run(const float* query, const Cache* k_cache, const Cache* v_cache, const Plan& plan, int64_t block,
-         int64_t kv_heads, int64_t dim, float scale, float* out, int threads, bool tiles = false) {
+         int64_t kv_heads, int64_t dim, float scale, float* out, int threads) {
   const Pool<Cache> pool{k_cache, v_cache, block, kv_heads, dim, kv_heads * dim, block * kv_heads * dim};
-  if constexpr (std::is_same_v<Cache, uint16_t>) {
-    if (tiles && takes_tiles(block, dim)) return decode_sets_tiles(query, pool, plan, scale, out, threads);
-  }
   if (kWide && dim % 16 == 0) {
     decode_sets<kWide>(query, pool, plan, scale, out, threads);
   } else {
@@ -965,9 +959,22 @@ void paged_decode_bf16(const float* query, const uint16_t* k_cache, const uint16
                        const int64_t* shared_blocks, const int64_t* rows, const int64_t* own_blocks,
                        const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width,
                        int64_t block, int64_t kv_heads, int64_t per_kv, int64_t dim, float scale, float* out,
-                       int threads, int tiles) {
+                       int threads) {
   const Plan plan{sets, shared_blocks, rows, own_blocks, own_lens, num_sets, shared_width, own_width, per_kv};
-  run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads, tiles != 0);
+  run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads);
+}
+
+// A bfloat16 model over a bfloat16 pool where takes_tiles holds: queries and outputs in bfloat16 (the flat batch's
+// own tensors, no float32 copies), the walks as tile matmuls. A float32 model over a bfloat16 pool takes
+// paged_decode_bf16, whose float32 walks do not round its queries.
+void paged_decode_bf16_tiles_run(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_cache,
+                                 const int64_t* sets, const int64_t* shared_blocks, const int64_t* rows,
+                                 const int64_t* own_blocks, const int64_t* own_lens, int64_t num_sets,
+                                 int64_t shared_width, int64_t own_width, int64_t block, int64_t kv_heads,
+                                 int64_t per_kv, int64_t dim, float scale, uint16_t* out, int threads) {
+  const Plan plan{sets, shared_blocks, rows, own_blocks, own_lens, num_sets, shared_width, own_width, per_kv};
+  const Pool<uint16_t> pool{k_cache, v_cache, block, kv_heads, dim, kv_heads * dim, block * kv_heads * dim};
+  decode_sets_tiles(query, pool, plan, scale, out, threads);
 }
 
 // 1 where a bfloat16 pool of this block size and head size runs the tile walks (what the run's summary reports).
