@@ -45,11 +45,12 @@ def tiny_config(kind: str) -> transformers.PretrainedConfig:
 
 
 def save_base(kind: str, folder: Path, model_folder: Path) -> transformers.PreTrainedModel:
-    """A random tiny model saved as an HF folder with the shipped tokenizer beside it."""
+    """A random tiny model saved as an HF folder with the shipped tokenizer (and its chat template) beside it."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
     model.save_pretrained(folder)
-    shutil.copy(model_folder / "tokenizer.json", folder / "tokenizer.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_folder / name, folder / name)
     return model
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from batchprefill.errors import JobError
+from batchprefill.kernels.lora import AdapterDelta, LoraPart, LoraStep, LoraWeights, torch_lora
 from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.model.adapters import load_adapters
 from batchprefill.model.families.base import GatedMLP
@@ -146,3 +148,59 @@ def test_an_adapter_the_engine_cannot_serve_fails_with_one_line_naming_it_and_wh
         load_adapters({"ok": good, name: folder}, model.config, dense_mlp(model), torch.float32, torch.device("cpu"))
     message = str(caught.value)
     assert "\n" not in message and f"model.adapters.{name}" in message and reason in message, message
+
+
+def random_weights(dtype: torch.dtype, seed: int = 0) -> LoraWeights:
+    """A QKV-shaped projection (64 in, 32 + 16 + 16 out) under adapters 1 (q, k and v, ranks 4, 8, 16), 2 (v only,
+    rank 8) and 4 (all outputs as one fused part, rank 32); adapter 3 does not target it."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (0.3 * torch.randn(*shape, generator=g)).to(dtype)
+
+    def delta(parts: list[tuple[int, int, int]]) -> AdapterDelta:
+        ranks = [r for _, _, r in parts]
+        offsets = [sum(ranks[:i]) for i in range(len(ranks))]
+        return AdapterDelta(
+            rand(sum(ranks), 64),
+            [LoraPart(lo, hi, off, off + r, rand(hi - lo, r)) for (lo, hi, r), off in zip(parts, offsets)],
+        )
+
+    return LoraWeights(
+        64, 64, {1: delta([(0, 32, 4), (32, 48, 8), (48, 64, 16)]), 2: delta([(48, 64, 8)]), 4: delta([(0, 64, 32)])}
+    )
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_segmented_triton_kernel_adds_what_the_torch_path_adds_on_37_tokens_of_five_runs(dtype, tolerance):
+    """Runs of 9 tokens of adapter 1, 5 of the base, 11 of adapter 3 (no delta here), 7 of adapter 2 and 5 more of
+    adapter 1: one launch gives the torch path's sums, and the base and adapter-3 rows stay as they were."""
+    from batchprefill.kernels.triton.lora import segmented_lora
+
+    weights = random_weights(dtype)
+    adapters = np.repeat(np.array([1, 0, 3, 2, 1], dtype=np.int32), [9, 5, 11, 7, 5])
+    step = LoraStep.of(adapters, torch.device("cpu"))
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    base = torch.randn(37, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want, got = base.clone(), base.clone()
+    torch_lora(want, x, weights, step)
+    segmented_lora(got, x, weights, step)
+    untouched = torch.from_numpy((adapters == 0) | (adapters == 3))
+    assert torch.equal(got[untouched], base[untouched])
+    assert (want[~untouched] - base[~untouched]).abs().max().item() > 0.5  # the deltas are not small
+    assert (got.float() - want.float()).abs().max().item() < tolerance * max(1.0, want.abs().max().item())
+
+
+def test_the_triton_backend_gives_the_torch_logits_for_a_batch_mixing_adapters(families):
+    from batchprefill.kernels.triton.ops import TritonOps
+
+    model, _, _ = families("phi3")
+    prompts = [prompt(n, seed) for n, seed in ((7, 8), (3, 9), (5, 10))]
+    want = batch_logits(model, prompts, [3, 0, 1])
+    model.ops = TritonOps()
+    try:
+        got = batch_logits(model, prompts, [3, 0, 1])
+    finally:
+        model.ops = TorchOps()
+    for ours, theirs in zip(got, want):
+        assert (ours - theirs).abs().max().item() < 1e-4

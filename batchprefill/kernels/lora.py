@@ -56,21 +56,24 @@ class LoraWeights:
     in_features: int
     out_features: int
     adapters: dict[int, AdapterDelta]  # adapter index (from 1; 0 is the base model) -> its delta
-    _stacked: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A `[N + 1, R, in]` and B `[N + 1, out, R]` for adapter indices 0..N, ranks zero-padded to the largest R
-        (a part's B sits at its outputs and ranks, zeros elsewhere): the segmented kernel's layout."""
+        (a part's B sits at its outputs and ranks, zeros elsewhere), and each index's rank `[N + 1]` int32 (0 where
+        the adapter does not target this projection): the segmented kernel's layout, built on first use."""
         if self._stacked is None:
             some = next(iter(self.adapters.values())).a
             count, rank = max(self.adapters) + 1, max(delta.a.shape[0] for delta in self.adapters.values())
             a = torch.zeros(count, rank, self.in_features, dtype=some.dtype, device=some.device)
             b = torch.zeros(count, self.out_features, rank, dtype=some.dtype, device=some.device)
+            ranks = torch.zeros(count, dtype=torch.int32)
             for index, delta in self.adapters.items():
                 a[index, : delta.a.shape[0]] = delta.a
+                ranks[index] = delta.a.shape[0]
                 for part in delta.parts:
                     b[index, part.out_start : part.out_stop, part.rank_start : part.rank_stop] = part.b
-            self._stacked = a, b
+            self._stacked = a, b, ranks.to(some.device)
         return self._stacked
 
 

@@ -16,7 +16,8 @@ from batchprefill.settings import Sharding
 
 GROUP_SCHEMA = pa.schema([("group_id", pa.int64()), ("num_requests", pa.int64()),
                           ("shared_prefix_tokens", pa.int64()), ("prompt_tokens", pa.int64()),
-                          ("cached_tokens", pa.int64()), ("computed_prompt_tokens", pa.int64())])
+                          ("cached_tokens", pa.int64()), ("computed_prompt_tokens", pa.int64()),
+                          ("adapter", pa.string())])  # the group's LoRA adapter (model.adapters); null: the base
 
 
 class PrefixGroup(Protocol):
@@ -36,6 +37,7 @@ class JobTotals:
     output_tokens: int = 0
     ideal_cached_tokens: int = 0  # what an ideal cache serves in this run order, summed as partitions load
     group_rows: list[dict] = field(default_factory=list)
+    adapter_names: list[str | None] = field(default_factory=lambda: [None])  # by adapter index; 0: the base model
 
     def add_error_row(self) -> None:
         self.num_requests += 1
@@ -57,7 +59,8 @@ class JobTotals:
             self.group_rows.append({
                 "group_id": (part << 32) | number, "num_requests": len(members),
                 "shared_prefix_tokens": group.shared_prefix_tokens, "prompt_tokens": prompt,
-                "cached_tokens": cached, "computed_prompt_tokens": prompt - cached})
+                "cached_tokens": cached, "computed_prompt_tokens": prompt - cached,
+                "adapter": self.adapter_names[members[0].adapter]})
 
 
 def job_row(totals: JobTotals, counters: EngineCounters, config: EngineConfig, wall: float) -> dict:
