@@ -126,6 +126,11 @@ def test_rows_of_three_adapters_and_the_base_in_one_job_get_pefts_greedy_tokens_
     assert rows[9]["num_cached_tokens"] + rows[0]["num_cached_tokens"] >= len(ids[0]) - 4  # base rows share
     groups = pq.read_table(tmp_path / "out" / "stats" / "groups.parquet").to_pylist()
     assert sorted((g["adapter"] or "", g["num_requests"]) for g in groups) == [("", 3), ("a1", 2), ("a2", 2), ("a3", 2)]
+    per_adapter = pq.read_table(tmp_path / "out" / "stats" / "adapters.parquet").to_pylist()
+    assert [(a["adapter"], a["num_requests"], a["output_tokens"]) for a in per_adapter] == [
+        (None, 3, 3 * MAX_TOKENS), ("a1", 2, 2 * MAX_TOKENS), ("a2", 2, 2 * MAX_TOKENS), ("a3", 2, 2 * MAX_TOKENS)]
+    assert all(a["cached_tokens"] == max(rows[i]["num_cached_tokens"] for i in (2 * n, 2 * n + 1))
+               for n, a in enumerate(per_adapter[1:], start=1))
     if kind == "llama":  # the same adapters make every output differ from the base model's somewhere
         assert len({tuple(rows[i]["output_token_ids"]) for i in (0, 2, 4, 6)}) > 1
 
@@ -156,6 +161,9 @@ def test_a_resumed_run_and_two_shards_with_a_merge_give_the_uninterrupted_runs_r
         ]
     )
     assert merged.returncode == 0, merged.stderr
+    merged_adapters = pq.read_table(tmp_path / "sharded" / "stats" / "adapters.parquet").to_pylist()
+    assert [(a["adapter"], a["num_requests"]) for a in merged_adapters] == [
+        ("a1", 2), ("a2", 2), ("a3", 2), (None, 3)]  # summed over both shards (sorted, nulls last)
     for got in (results(tmp_path / "whole"), results(tmp_path / "sharded")):
         assert sorted(got) == list(range(10))
         assert {i: r["output_token_ids"] for i, r in got.items()} == {i: r["output_token_ids"] for i, r in want.items()}
