@@ -9,7 +9,7 @@ checked, and no stage reads the raw config.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -49,7 +49,7 @@ class ModelSettings:
     name: str  # the config group's name; OpenAI results name it as their model
     path: str | None  # null = the shipped GGUF
     dtype: str  # auto | float32 | bfloat16 | float16
-    adapter: str | None
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> its PEFT folder
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,8 @@ def _columns(d: DictConfig) -> Columns:
     messages = d.get("messages_column")
     return input_format(d.format).columns(Columns(
         prompt=None if messages else d.prompt_column, id=d.id_column, system=d.system_column,
-        namespace=d.namespace_column, messages=messages, schema=d.get("schema_column")))
+        namespace=d.namespace_column, messages=messages, schema=d.get("schema_column"),
+        adapter=d.get("adapter_column")))
 
 
 def _task_columns(d: DictConfig, task: Task) -> tuple[tuple[str, str], ...]:
@@ -135,7 +136,13 @@ def _sharding(count: int | None, index: int | None) -> Sharding:
 
 def _model(cfg: DictConfig) -> ModelSettings:
     m = cfg.model
-    return ModelSettings(name=str(m.name), path=m.path, dtype=str(m.dtype), adapter=m.adapter)
+    adapters = m.get("adapters") or {}
+    for name, folder in adapters.items():
+        _require(isinstance(name, str) and bool(name.strip()) and isinstance(folder, str) and bool(folder),
+                 f"model.adapters: {name!r}={folder!r}: give each adapter a name and its PEFT folder "
+                 "(+model.adapters.NAME=/path/to/adapter)")
+    return ModelSettings(name=str(m.name), path=m.path, dtype=str(m.dtype),
+                         adapters={str(name): str(folder) for name, folder in adapters.items()})
 
 
 def _engine(cfg: DictConfig) -> EngineSettings:

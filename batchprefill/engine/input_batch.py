@@ -32,6 +32,7 @@ class ForwardInputs:
     logits_rows: np.ndarray  # [R] int64: the flat-batch row of each sequence that samples this step
     sampled: np.ndarray  # [R] int64: which chunks of the step those are
     sampling: SamplingBatch  # their sampling settings, one entry per logits row
+    token_adapters: np.ndarray  # [T] int32: each token's LoRA adapter index (0: the base model)
 
     @property
     def is_decode_only(self) -> bool:
@@ -48,6 +49,7 @@ class InputBatch:
         self.top_p = np.ones(max_num_seqs, dtype=np.float32)
         self.keys = np.zeros(max_num_seqs, dtype=np.uint64)
         self.num_outputs = np.zeros(max_num_seqs, dtype=np.int64)
+        self.adapter = np.zeros(max_num_seqs, dtype=np.int32)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     def release(self, request: Request) -> None:
@@ -64,6 +66,7 @@ class InputBatch:
         self.top_p[row] = params.top_p
         self.keys[row] = request_key(params.seed, request.request_id, request.sample_index)
         self.num_outputs[row] = len(request.output_token_ids)
+        self.adapter[row] = request.adapter
         self.num_blocks[row] = 0
         return row
 
@@ -122,5 +125,5 @@ class InputBatch:
             input_ids=np.array(ids, dtype=np.int64), positions=positions, slot_mapping=slots,
             query_start=query_start.astype(np.int32), seq_lens=seq_lens.astype(np.int32),
             block_tables=self.block_table[rows_a, :width], logits_rows=query_start[1:][sampled] - 1,
-            sampled=sampled, sampling=sampling,
+            sampled=sampled, sampling=sampling, token_adapters=self.adapter[token_rows],
         )

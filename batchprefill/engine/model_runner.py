@@ -12,6 +12,7 @@ from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import SamplingBatch, argmax_for, sample
 from batchprefill.engine.scheduler_output import SchedulerOutput
 from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.kernels.lora import LoraStep
 from batchprefill.model.decoder import DecoderModel
 
 
@@ -24,7 +25,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_dtype, device)
         self.batch = InputBatch(max_num_seqs, model.config.max_positions, block_size)
         self.decoder = None
-        if padded_decode != "off":
+        if padded_decode != "off" and not model.adapters:  # the padded buffers and graphs hold no adapter deltas
             self.decoder = PaddedDecode(model, self.kv_caches, block_size, max_num_seqs, device,
                                         capture=padded_decode == "graphs")
         self._staging = torch.empty(0, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -68,7 +69,8 @@ class ModelRunner:
             block_tables=tables.to(torch.int32), slot_mapping=slots,
             query_lens_host=np.diff(inputs.query_start).tolist(), seq_lens_host=inputs.seq_lens.tolist(),
         )
-        return self.model(ids, positions, self.kv_caches, meta, rows, greedy=greedy)
+        lora = LoraStep.of(inputs.token_adapters, self.device) if self.model.adapters else None
+        return self.model(ids, positions, self.kv_caches, meta, rows, greedy=greedy, lora=lora)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write for forks: each (source, target) block's K and V, in every layer, in one op per tensor."""

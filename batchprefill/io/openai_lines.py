@@ -13,6 +13,7 @@ import json
 import pyarrow as pa
 
 ID, LINE, URL, PROMPT, MESSAGES = "custom_id", "line", "url", "prompt", "messages"
+MODEL = "model"  # the body's model: one of model.adapters runs with that adapter, any other name the base model
 ERROR_CODE, ERROR_MESSAGE = "error_code", "error_message"
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 MESSAGE_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
@@ -29,7 +30,8 @@ SAMPLING_COLUMNS = [
     pa.field("response_format", pa.string()),  # the response_format object as JSON text (see engine/grammar)
 ]
 SCHEMA = pa.schema([pa.field(ID, pa.string()), pa.field(LINE, pa.int64()), pa.field(URL, pa.string()),
-                    pa.field(PROMPT, pa.string()), pa.field(MESSAGES, MESSAGE_TYPE), *SAMPLING_COLUMNS,
+                    pa.field(PROMPT, pa.string()), pa.field(MESSAGES, MESSAGE_TYPE), pa.field(MODEL, pa.string()),
+                    *SAMPLING_COLUMNS,
                     pa.field(ERROR_CODE, pa.string()), pa.field(ERROR_MESSAGE, pa.string())])
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 # body key: (type, lowest, highest) as OpenAI's API accepts them
@@ -77,6 +79,8 @@ def _request(request: dict) -> dict:
     if not isinstance(body, dict):
         raise BadLine("missing_body", "the line has no body object")
     row: dict = {URL: url}
+    if isinstance(body.get("model"), str):
+        row[MODEL] = body["model"]
     if url == CHAT_URL:
         row[MESSAGES] = _messages(body.get("messages"))
     else:

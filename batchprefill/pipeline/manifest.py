@@ -36,6 +36,7 @@ class PrepareSettings:
     read_batch_rows: int
     buffer_mb: int
     task: str = "generate"  # what it tokenizes beyond the prompt (tasks.Task.tokenize)
+    adapters: tuple[str, ...] = ()  # the names in model.adapters: a row naming another is an error row
     min_partitions: int = 1  # e.g. a few per shard, so that shards balance; not part of the fingerprint
     vocab_size: int | None = None  # token-id prompts must stay below it; tokenizer_id fixes it: not fingerprinted
 

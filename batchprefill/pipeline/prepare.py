@@ -58,7 +58,7 @@ def prepare_job(job: JobSettings, model: ModelFiles | None = None) -> Prepared:
         block_size=job.engine.block_size, max_prompt_tokens=_max_prompt_tokens(job, model.config),
         tokenizer_id=model.identity, read_batch_rows=job.data.read_batch_rows, buffer_mb=job.data.buffer_mb,
         task=job.task, min_partitions=PARTITIONS_PER_SHARD * job.data.sharding.num_shards,
-        vocab_size=model.config.vocab_size,
+        vocab_size=model.config.vocab_size, adapters=tuple(sorted(job.model.adapters)),
     )
     partitions_dir = job.output.dir / "partitions"
     manifest = make_partitions(files, fmt, prepare_settings, model.tokenizer, partitions_dir, job.output.progress)

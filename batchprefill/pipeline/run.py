@@ -64,7 +64,7 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds,
                           task.result_fields(job.sampling.n > 1, _may_ask_logprobs(job)), lock.check)
-    totals = JobTotals()
+    totals = JobTotals(adapter_names=[None, *sorted(job.model.adapters)])
     bar = tqdm(total=sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n, desc=job.task,
                unit="req",
                disable=not job.output.progress)

@@ -32,7 +32,9 @@ def print_plan_summary(row: dict, link_gbps: float, out: Path) -> None:
     saved = 1 - with_flops / without_flops if without_flops else 0.0
     print(
         f"batchprefill plan: {row['requests']} requests ({row['error_rows']} error rows) in {row['groups']} "
-        f"prefix groups, the largest of {row['largest_group']} requests\n"
+        f"prefix groups, the largest of {row['largest_group']} requests"
+        + (f"; each group runs one of {row['adapters']} LoRA adapters or the base model" if row.get("adapters") else "")
+        + "\n"
         f"  prompt tokens to compute: {computed:,} with prefix reuse vs {without:,} without ({ratio})\n"
         f"  prefill FLOPs: {with_flops:.3g} with reuse vs {without_flops:.3g} without ({saved:.1%} saved)\n"
         f"  KV cache: {row['kv_bytes_per_token']:,} bytes per token, {readable_bytes(row['kv_bytes_total'])} "
