@@ -1,4 +1,8 @@
-"""`python -m batchprefill.plan`: the same as `batchprefill-plan` (cli/plan.py)."""
+"""`python -m batchprefill.plan`: the same as `batchprefill-plan` (cli/plan.py).
+
+Run it, never import it: `import batchprefill.plan` would rebind `batchprefill.plan`, the Python API's function, to
+this module (tests/test_api.py checks that nothing does).
+"""
 
 from batchprefill.cli.plan import main
 

@@ -9,7 +9,7 @@ checked, and no stage reads the raw config.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -50,7 +50,7 @@ class ModelSettings:
     name: str  # the config group's name; OpenAI results name it as their model
     path: str | None  # null = the shipped GGUF
     dtype: str  # auto | float32 | bfloat16 | float16
-    adapter: str | None
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> its PEFT folder
     pooling: PoolingParams = PoolingParams()  # model.pooling and model.normalize (task=embed)
 
 
@@ -62,6 +62,8 @@ class OutputSettings:
     commit_every_seconds: float
     progress: bool
     plot: bool  # draw stats/run.png after the run and the merge
+    # another host's run that stopped renewing its lease on a shard this long is gone (pipeline.shard_lock)
+    lease_seconds: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ def _columns(d: DictConfig) -> Columns:
     messages = d.get("messages_column")
     return input_format(d.format).columns(Columns(
         prompt=None if messages else d.prompt_column, id=d.id_column, system=d.system_column,
-        namespace=d.namespace_column, messages=messages, schema=d.get("schema_column")))
+        namespace=d.namespace_column, messages=messages, schema=d.get("schema_column"),
+        adapter=d.get("adapter_column")))
 
 
 def _task_columns(d: DictConfig, task: Task) -> tuple[tuple[str, str], ...]:
@@ -135,9 +138,15 @@ def _sharding(count: int | None, index: int | None) -> Sharding:
 
 def _model(cfg: DictConfig) -> ModelSettings:
     m = cfg.model
+    adapters = m.get("adapters") or {}
+    for name, folder in adapters.items():
+        _require(isinstance(name, str) and bool(name.strip()) and isinstance(folder, str) and bool(folder),
+                 f"model.adapters: {name!r}={folder!r}: give each adapter a name and its PEFT folder "
+                 "(+model.adapters.NAME=/path/to/adapter)")
     pooling = str(m.get("pooling", "last"))
     _require(pooling in POOLINGS, f"model.pooling={pooling!r}: choose {' or '.join(POOLINGS)}")
-    return ModelSettings(name=str(m.name), path=m.path, dtype=str(m.dtype), adapter=m.adapter,
+    return ModelSettings(name=str(m.name), path=m.path, dtype=str(m.dtype),
+                         adapters={str(name): str(folder) for name, folder in adapters.items()},
                          pooling=PoolingParams(pooling, bool(m.get("normalize", True))))
 
 
@@ -183,10 +192,11 @@ def _sampling(cfg: DictConfig) -> SamplingParams:
 def _output(cfg: DictConfig) -> OutputSettings:
     o = cfg.output
     _require(o.commit_every_rows >= 1, "output.commit_every_rows must be >= 1")
+    _require(o.lease_seconds > 0, "output.lease_seconds must be > 0")
     return OutputSettings(dir=Path(o.dir).expanduser(), resume=bool(o.resume),
                           commit_every_rows=int(o.commit_every_rows),
                           commit_every_seconds=float(o.commit_every_seconds), progress=bool(o.progress),
-                          plot=bool(o.plot))
+                          plot=bool(o.plot), lease_seconds=float(o.lease_seconds))
 
 
 def _link_gbps(cfg: DictConfig) -> float:

@@ -148,6 +148,8 @@ def run_batchprefill(path: Path, work: Path, label: str, max_tokens: int, pool: 
         "engine.num_threads": args.threads, "engine.max_batched_tokens": args.max_batched_tokens,
         "engine.max_num_seqs": 256, "engine.block_size": 16, "output.progress": "false", **overrides,
     }
+    if args.model:
+        settings |= {"model": "hf", "model.path": args.model}
     command = [sys.executable, "-m", "batchprefill.run", *(f"{k}={v}" for k, v in settings.items())]
     result = measure(command, log=work / f"bp-{label}.log")
     job = pl.read_parquet(out / "stats" / "job.parquet").row(0, named=True)
@@ -164,9 +166,10 @@ def run_batchprefill(path: Path, work: Path, label: str, max_tokens: int, pool: 
                                    "preemptions")}}
 
 
-def run_peer(script: str, python: str, path: Path, work: Path, label: str, extra: list[str], env=None) -> dict:
+def run_peer(script: str, python: str, path: Path, work: Path, label: str, extra: list[str], env=None,
+             model: Path | None = None) -> dict:
     outputs = work / f"{label}.outputs.json"
-    command = [python, str(HERE / script), "--input", str(path), "--model", str(wl_folder()),
+    command = [python, str(HERE / script), "--input", str(path), "--model", str(wl_folder(model)),
                "--outputs", str(outputs), *extra]
     result = measure(command, env=env, log=work / f"{label}.log")
     # vLLM logs to stdout too: the figures are the one line that is a JSON object with an "engine" key.
@@ -174,10 +177,10 @@ def run_peer(script: str, python: str, path: Path, work: Path, label: str, extra
     return {**result, **figures, "outputs": json.loads(outputs.read_text())}
 
 
-def wl_folder() -> Path:
+def wl_folder(model: Path | None = None) -> Path:
     from batchprefill.model.loader import resolve_folder
 
-    return resolve_folder(None)
+    return model or resolve_folder(None)
 
 
 def agreement(a: dict, b: dict) -> float:
@@ -208,10 +211,10 @@ def run_row(workload: wl.Workload, case: dict, label: str, overrides: dict | Non
         row = run_peer("peer_vllm.py", args.vllm_python, path, work, tag,
                        ["--max-tokens", str(workload.max_tokens), "--pool-tokens", str(pool),
                         "--max-batched-tokens", str(args.max_batched_tokens), "--dtype", args.dtype],
-                       env={"OMP_NUM_THREADS": str(args.threads)})
+                       env={"OMP_NUM_THREADS": str(args.threads)}, model=args.model)
     else:
         row = run_peer("peer_hf.py", sys.executable, path, work, tag,
-                       ["--max-tokens", str(workload.max_tokens), "--threads", str(args.threads)])
+                       ["--max-tokens", str(workload.max_tokens), "--threads", str(args.threads)], model=args.model)
     row["label"] = label
     bs = row["block_size"]
     row["ideal_tokens"] = wl.ideal_computed_tokens(ids, bs) if bs else sum(len(x) for x in ids)
@@ -279,6 +282,8 @@ def main() -> None:
     parser.add_argument("--quiet-wait", type=float, default=QUIET_WAIT, help="seconds; 0 starts each run at once")
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
     parser.add_argument("--report", type=Path, help="only print the tables of a results file written by --out")
+    parser.add_argument("--model", type=Path, help="an HF-format folder both engines load (benchmarks/random_model.py "
+                        "makes one of a larger shape); default: the shipped SmolLM2-135M")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup in `measure` on kill too
     if args.report:
@@ -289,9 +294,10 @@ def main() -> None:
     os.environ["BENCH_QUIET_WAIT"] = str(args.quiet_wait)
 
     names = ["shared"] if args.only == "orders" else None if args.only == "all" else args.only.split(",")
-    folder = wl_folder()
-    meta = {"command": " ".join(sys.argv), "threads": args.threads, "cpus": os.cpu_count(), "dtype": args.dtype,
-            "max_batched_tokens": args.max_batched_tokens, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    folder = wl_folder(args.model)
+    meta = {"command": " ".join(sys.argv), "model": str(folder), "threads": args.threads, "cpus": os.cpu_count(),
+            "dtype": args.dtype, "max_batched_tokens": args.max_batched_tokens,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     cases = []
     for workload in wl.all_workloads():
         if names and workload.name not in names:

@@ -20,14 +20,18 @@ from pathlib import Path
 KV_BYTES_PER_TOKEN_FP32 = 2 * 30 * 3 * 64 * 4  # K and V x layers x KV heads x head dim x 4 bytes: 46,080
 
 
-def read_prompts(path: Path, model: Path) -> tuple[list[str], list[list[int]]]:
+def read_prompts(path: Path, model: Path, adapter_column: str | None = None
+                 ) -> tuple[list[str], list[list[int]], list[str | None]]:
+    """Ids, token ids and (with `adapter_column`) each row's adapter name, None for the base model."""
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer
 
-    table = pq.read_table(path, columns=["id", "prompt"]).to_pydict()
+    columns = ["id", "prompt", *([adapter_column] if adapter_column else [])]
+    table = pq.read_table(path, columns=columns).to_pydict()
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     ids = [e.ids for e in tokenizer.encode_batch(table["prompt"], add_special_tokens=False)]
-    return table["id"], ids
+    adapters = table[adapter_column] if adapter_column else [None] * len(ids)
+    return table["id"], ids, [a or None for a in adapters]
 
 
 def main() -> None:
@@ -45,6 +49,10 @@ def main() -> None:
     parser.add_argument("--outputs", type=Path)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--n", type=int, default=1, help="samples per prompt; n > 1 samples at temperature 1")
+    parser.add_argument("--adapters", type=json.loads, default={},
+                        help='LoRA adapters as JSON {"name": "/peft/folder"}: enable_lora, a LoRARequest per prompt')
+    parser.add_argument("--adapter-column", help="the input column naming each row's adapter (null: the base model)")
+    parser.add_argument("--max-lora-rank", type=int, default=16)
     args = parser.parse_args()
 
     # Both cores for the worker (by default one is reserved), cache files out of the home folder, and a
@@ -57,7 +65,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    ids, prompts = read_prompts(args.input, args.model)
+    ids, prompts, row_adapters = read_prompts(args.input, args.model, args.adapter_column)
+    lora = {"enable_lora": True, "max_loras": len(args.adapters), "max_lora_rank": args.max_lora_rank} \
+        if args.adapters else {}
     llm = LLM(
         model=str(args.model), dtype=args.dtype, enforce_eager=True, seed=0,
         enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=True,
@@ -65,7 +75,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs, max_model_len=min(args.max_model_len, args.pool_tokens),
         # vLLM keeps one block back as its null block: one more makes the usable pool equal to batchprefill's.
         num_gpu_blocks_override=args.pool_tokens // args.block_size + 1,
-        gpu_memory_utilization=0.5, disable_log_stats=False,
+        gpu_memory_utilization=0.5, disable_log_stats=False, **lora,
     )
     # No per-request seed: vLLM 0.32's CPU runner dies on one whenever a prompt spans several chunked-prefill
     # steps (`_bookkeeping_sync` rewinds the request's generator: "CPU Generator does not use offset", an
@@ -73,7 +83,14 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0 if args.n > 1 else 0.0, ignore_eos=True,
                             n=args.n)
     ready = time.perf_counter()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    requests = None
+    if args.adapters:
+        from vllm.lora.request import LoRARequest
+
+        known = {name: LoRARequest(name, i, path) for i, (name, path) in enumerate(sorted(args.adapters.items()), 1)}
+        requests = [known.get(name) if name else None for name in row_adapters]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                           lora_request=requests)
     done = time.perf_counter()
 
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)

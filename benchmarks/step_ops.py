@@ -3,9 +3,10 @@
     python benchmarks/step_ops.py                       # this checkout
     python benchmarks/step_ops.py --baseline REV        # and, in the same run, the code at git REV
 
-Runs `decode512`'s 80 rows (benchmarks/workloads.py) for `--tokens` output tokens each, float32, 2 threads, with
-a timer around every call of each op kind (linear layers, the LM head's pick, attention and the decode kernel
-inside it, RMSNorm, RoPE, the KV store, the step's attention plan) and reports milliseconds per decode-only step.
+Runs `decode512`'s 80 rows (benchmarks/workloads.py) for `--tokens` output tokens each, in `--dtype` (float32 by
+default), 2 threads, with a timer around every call of each op kind (linear layers, the LM head's pick, attention
+and the decode kernel inside it, RMSNorm, RoPE, the KV store, the step's attention plan) and reports milliseconds
+per decode-only step.
 An op kind the revision does not have as a separate call is left out. The timers cost about a microsecond per
 call (about 400 calls a step). Times of ops that contain others (attention contains the kernel; the LM head its
 linear chunks) include them.
@@ -96,7 +97,7 @@ def measure(args) -> dict:
         path = workloads.decode_heavy(args.tokens).write(Path(work))
         sys.argv = ["batchprefill-run", f"data.input={path}", f"output.dir={work}/out",
                     f"sampling.max_tokens={args.tokens}", "sampling.ignore_eos=true", "data.chat_template=false",
-                    "model.dtype=float32", "engine.kv_cache_tokens=65536", f"engine.num_threads={args.threads}",
+                    f"model.dtype={args.dtype}", "engine.kv_cache_tokens=65536", f"engine.num_threads={args.threads}",
                     "engine.max_batched_tokens=2048", "engine.max_num_seqs=256", "engine.block_size=16",
                     "output.progress=false", "output.plot=false", f"hydra.run.dir={work}/hydra"]
         try:
@@ -112,6 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--baseline", help="a git revision to measure too, in the same run")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path)
@@ -135,13 +137,14 @@ def main() -> None:
     for name, row in rows.items():
         print(f"| {name} | {row['decode_steps']} | " + " | ".join(str(row.get(label, "")) for label in labels) + " |")
     if args.out:
-        args.out.write_text(json.dumps({"tokens": args.tokens, "threads": args.threads, **rows}, indent=1))
+        args.out.write_text(json.dumps({"tokens": args.tokens, "threads": args.threads, "dtype": args.dtype, **rows},
+                                       indent=1))
 
 
 def _child(tree: Path, args) -> dict:
     """This script, run from `tree`'s code (the script itself always from this checkout)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--tokens", str(args.tokens),
-               "--threads", str(args.threads)]
+               "--threads", str(args.threads), "--dtype", args.dtype]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(command, check=True, capture_output=True, text=True, env=env, cwd=tree)
     return json.loads(done.stdout.strip().splitlines()[-1])

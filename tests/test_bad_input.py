@@ -285,8 +285,8 @@ def test_merge_names_a_manifest_that_is_not_json(planned):
     assert "manifest.json cannot be read" in the_error_line(done, "batchprefill-merge")
 
 
-def test_a_resumed_run_names_a_damaged_results_part_before_loading_the_model(planned_once, planned):
-    part = planned / "results" / "part-0000-1-00000.parquet"
+def test_a_resumed_run_names_another_shards_damaged_results_part_before_loading_the_model(planned_once, planned):
+    part = planned / "results" / "part-0003-1-00000.parquet"  # its own shard's are set aside (test_commit_faults)
     part.write_bytes(b"not parquet")
     done = command("run", f"data.input={planned_once.parent / 'ok.parquet'}", f"output.dir={planned}")
     assert done.returncode == 2

@@ -75,10 +75,45 @@ def test_the_kv_store_writes_each_token_at_its_slot_and_skips_padding(kernels):
     assert int((pools[1].view(16, -1).abs().sum(-1) > 0).sum()) == 2  # nothing written for the filler
 
 
-def test_other_dtypes_run_the_torch_ops(kernels):
-    x, weight = torch.randn(4, 16).to(torch.bfloat16), torch.ones(16, dtype=torch.bfloat16)
-    normed, _ = kernels.rms_norm(x, weight, 1e-5)
-    assert normed.dtype == torch.bfloat16 and torch.equal(normed, torch_elementwise.rms_norm(x, weight, 1e-5)[0])
+@pytest.mark.parametrize("rows", [1, 80, 600])
+def test_bfloat16_rms_norm_rounds_once_where_the_torch_ops_widen_and_round_each_tensor(kernels, rows):
+    # the same float32 arithmetic on the same rounded sum: bitwise equal but for the order of the sum of squares,
+    # which moves a result by at most one bfloat16 step (2^-7 of it)
+    generator = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, 576, generator=generator).bfloat16() for _ in range(2))
+    weight = torch.randn(576, generator=generator).bfloat16()
+    normed, total = kernels.rms_norm(x, weight, 1e-5, residual)
+    want_normed, want_total = torch_elementwise.rms_norm(x, weight, 1e-5, residual)
+    assert normed.dtype == total.dtype == torch.bfloat16
+    assert torch.equal(total, want_total)  # x + residual rounded to bfloat16 once either way
+    steps = (normed.float() - want_normed.float()).abs() / want_normed.float().abs().clamp_min(1e-30)
+    assert float(steps.max()) <= 2**-7 and float((normed != want_normed).float().mean()) < 0.01
+
+
+def test_bfloat16_rope_and_kv_store_equal_the_torch_ops(kernels):
+    generator = torch.Generator().manual_seed(4)
+    qkv = torch.randn(30, 9 * 64 + 2 * 3 * 64, generator=generator).bfloat16()
+    q, k = qkv[:, : 9 * 64].view(30, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(30, 3, 64)
+    v = qkv[:, 12 * 64 :].view(30, 3, 64)
+    positions = torch.randint(0, 100, (30,), generator=generator)
+    table = torch.randn(100, 64, generator=generator)
+    for got, want in zip(kernels.rope(q, k, positions, table), torch_elementwise.rope(q, k, positions, table)):
+        # x1 cos - x2 sin in float32, rounded once, in both: at most one rounding step apart (fused multiply-adds)
+        assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+    pools = [torch.zeros(8, 4, 3, 64, dtype=torch.bfloat16) for _ in range(4)]
+    slots = torch.randperm(32, generator=generator)[:30]
+    kernels.store_kv(k, v, pools[0], pools[1], slots)
+    torch_elementwise.store_kv(k, v, pools[2], pools[3], slots)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+
+
+def test_a_dtype_the_kernels_lack_and_mixed_dtypes_run_the_torch_ops(kernels):
+    x, weight = torch.randn(4, 16).half(), torch.ones(16, dtype=torch.half)
+    assert torch.equal(kernels.rms_norm(x, weight, 1e-5)[0], torch_elementwise.rms_norm(x, weight, 1e-5)[0])
+    x = x.bfloat16()
+    normed, _ = kernels.rms_norm(x, torch.ones(16), 1e-5)  # a float32 weight on bfloat16 rows
+    want, _ = torch_elementwise.rms_norm(x, torch.ones(16), 1e-5)
+    assert normed.dtype == torch.bfloat16 and torch.equal(normed, want)
 
 
 def test_the_torch_backend_takes_them_only_when_native(kernels):

@@ -15,6 +15,7 @@ from batchprefill.kernels.native import build as native
 from batchprefill.kernels.native import paged_decode
 from batchprefill.kernels.torch.decode_groups import DecodePlan
 from batchprefill.kernels.torch.ops import TorchOps
+from batchprefill.model.loader import multiplies_bfloat16
 from tests.test_prefix_groups import flat_batch
 
 
@@ -41,17 +42,17 @@ def decodes(groups: list[tuple[int, list[int]]], block: int) -> tuple[list[list[
     return [[scatter[b] for b in table] for table in tables], lens
 
 
-def both_paths(groups, heads, kv_heads, dim, block, seed, dtype=torch.float32):
+def both_paths(groups, heads, kv_heads, dim, block, seed, dtype=torch.float32, query_dtype=torch.float32):
     tables, lens = decodes(groups, block)
     query, k_cache, v_cache, meta = flat_batch([1] * len(lens), lens, tables, heads, kv_heads, dim, block,
                                                num_blocks=max(map(max, tables)) + 1, seed=seed)
-    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    k_cache, v_cache, query = k_cache.to(dtype), v_cache.to(dtype), query.to(query_dtype)
     native_ops = TorchOps()
     plan = native_ops.plan(meta, k_cache, heads, query.dtype)
     got = native_ops.attention(query, k_cache, v_cache, plan, 0.125)
     # the gathered reference on the same values widened to float32, so a bfloat16 pool compares exactly
-    want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.125)
-    return got, want, plan.plan.decodes
+    want = TorchOps(native=False).attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    return got.float(), want, plan.plan.decodes
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block"),
@@ -94,6 +95,57 @@ def test_sets_are_ordered_by_the_tokens_their_rows_read_largest_first(kernel):
 def test_a_bfloat16_pool_is_widened_exactly_before_the_float32_arithmetic():
     got, want, _ = both_paths([(2, [5, 16, 33]), (0, [7])], 9, 3, 64, 16, seed=4, dtype=torch.bfloat16)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+# Rounding the softmax weights to bfloat16 for the tile product (as GPU flash attention does) moves an output by
+# up to about 2^-8 of the largest value it averages (values here are standard normal, below 5).
+TILE_TOLERANCE = 2e-2
+
+
+def test_bfloat16_queries_over_a_bfloat16_pool_walk_as_tile_matmuls_where_the_cpu_has_amx(kernel):
+    assert kernel.uses_tiles(16, 64) == multiplies_bfloat16(torch.device("cpu"))
+    assert not kernel.uses_tiles(8, 64) and not kernel.uses_tiles(16, 40)  # blocks of 8, heads of 40: vector walks
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block"),
+                         [(9, 3, 64, 16), (14, 2, 64, 16), (6, 2, 128, 16), (4, 4, 64, 32), (32, 2, 64, 16)])
+def test_the_tile_walks_equal_the_gathered_path_within_the_rounding_of_the_weights(heads, kv_heads, dim, block):
+    # own lengths around the 16-token slices and the 128-token chunks of a walk (1, 15, 16, 17, 127, 128, 129,
+    # 300), a group of 3 and one of 9 decodes (at 7 query heads per KV head, 63 rows: four row tiles) over shared
+    # prefixes of 3 and 9 blocks, and lone decodes; 16 query heads per KV head fill one row tile exactly
+    groups = [(3, [1, 15, 16]), (9, [17, 127, 128, 129, 300, 1, 2, 33, 64]), (0, [5]), (0, [257])]
+    got, want, plan = both_paths(groups, heads, kv_heads, dim, block, seed=dim + heads, dtype=torch.bfloat16,
+                                 query_dtype=torch.bfloat16)
+    assert isinstance(plan, paged_decode.PagedPlan)
+    assert float((got - want).abs().max()) < TILE_TOLERANCE
+    assert float((got - want).abs().mean()) < TILE_TOLERANCE / 10
+
+
+@settings(max_examples=15, deadline=None)
+@given(groups=st.lists(st.tuples(st.integers(0, 12), st.lists(st.integers(1, 200), min_size=1, max_size=9)),
+                       min_size=1, max_size=4),
+       per_kv=st.sampled_from([1, 3, 7, 16]), seed=st.integers(0, 99))
+def test_the_tile_walks_equal_the_gathered_path_for_any_groups(groups, per_kv, seed):
+    got, want, _ = both_paths(groups, 2 * per_kv, 2, 64, 16, seed, dtype=torch.bfloat16, query_dtype=torch.bfloat16)
+    assert float((got - want).abs().max()) < TILE_TOLERANCE
+
+
+def test_a_cpu_with_bfloat16_but_no_amx_walks_a_bfloat16_pool_exactly_in_float32(tmp_path):
+    # built here without AMX, as -march=native makes it on an AMD Zen 4 (bfloat16 dot products, no tiles): the
+    # vector walks widen the pool and compute in float32, so they equal the gathered path on the same values
+    library = tmp_path / "no_tiles.so"
+    subprocess.run([os.environ.get("CXX") or "c++", *native.FLAGS, "-mno-amx-tile", "-mno-amx-bf16", "-o",
+                    str(library), str(native.SOURCES / "paged_decode.cpp")], check=True, capture_output=True)
+    vector = paged_decode.PagedDecode(ctypes.CDLL(str(library)))
+    assert not vector.uses_tiles(16, 64)
+    tables, lens = decodes([(3, [1, 15, 16, 40]), (0, [9])], 16)
+    query, k_cache, v_cache, meta = flat_batch([1] * 5, lens, tables, 9, 3, 64, 16, num_blocks=64, seed=8)
+    query, k_cache, v_cache = query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    ops = TorchOps()
+    ops._paged = vector
+    got = ops.attention(query, k_cache, v_cache, meta, 0.125).float()
+    want = TorchOps(native=False).attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    assert torch.allclose(got, want.bfloat16().float(), atol=1e-5, rtol=2**-8)  # the output rounded once
 
 
 def test_a_bfloat16_model_gets_its_decode_rows_back_in_bfloat16(kernel):

@@ -22,7 +22,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from batchprefill.errors import JobError
+from batchprefill.errors import DiskFull, JobError
+from batchprefill.io.atomic import disk_full_message, is_disk_full
 from batchprefill.settings import CONFIG_DIR, JobSettings
 
 # sysexits' EX_SOFTWARE: a bug, told apart from a fault the user fixes (JobError, 2) and an incomplete merge (1).
@@ -37,8 +38,9 @@ def one_line(text: str) -> str:
 
 @contextmanager
 def reported_errors(command: str, log_dir: Path | None = None) -> Iterator[None]:
-    """Ends the command with one stderr line for any exception: a JobError with its own message and exit status,
-    anything else with the path of a log holding its traceback (in `log_dir`, else the temp folder) and exit 70.
+    """Ends the command with one stderr line for any exception: a JobError (DiskFull among them) with its own message
+    and exit status, a full disk wherever it was met with exit 2, anything else with the path of a log holding its
+    traceback (in `log_dir`, else the temp folder, whichever has room) and exit 70.
 
     Any entry point can wrap its body in this, Hydra app or not (a `batchprefill-eval` on lm-eval's parser).
     """
@@ -47,15 +49,27 @@ def reported_errors(command: str, log_dir: Path | None = None) -> Iterator[None]
     except KeyboardInterrupt:
         print(f"{command}: interrupted", file=sys.stderr)
         sys.exit(130)  # 128 + SIGINT, as a shell reports it
-    except JobError as error:
-        print(f"{command}: error: {one_line(str(error))}", file=sys.stderr)
-        sys.exit(error.exit_status)
     except Exception as error:  # noqa: BLE001 - the one place every unforeseen error is turned into a report
+        fault = user_fault(error, log_dir)
+        if fault is not None:
+            print(f"{command}: error: {one_line(str(fault))}", file=sys.stderr)
+            sys.exit(fault.exit_status)
         log = _write_traceback(command, log_dir)
         summary = one_line(f"{type(error).__name__}: {error}")[:SHOWN_CHARS]
         print(f"{command}: error: unexpected {summary}; this is a bug, the full traceback is in {log}",
               file=sys.stderr)
         sys.exit(BUG_EXIT_STATUS)
+
+
+def user_fault(error: Exception, log_dir: Path | None = None) -> JobError | None:
+    """The fault the user fixes that `error` is, as a JobError whose message a command prints after `error: ` (and the
+    Python API raises): a JobError itself; a full disk wherever it was met (a write no caller named: Hydra's log, a
+    library's cache) as DiskFull, named by its file or else `log_dir`; None for anything else, a bug."""
+    if isinstance(error, JobError):
+        return error
+    if is_disk_full(error):
+        return DiskFull(disk_full_message(error, Path(getattr(error, "filename", None) or log_dir or ".")))
+    return None
 
 
 def _write_traceback(command: str, log_dir: Path | None) -> Path:
@@ -66,8 +80,12 @@ def _write_traceback(command: str, log_dir: Path | None) -> Path:
             handle, name = tempfile.mkstemp(prefix=f"{command}-error-", suffix=".log", dir=folder)
         except OSError:
             continue
-        with os.fdopen(handle, "w") as log:
-            log.write(text)
+        try:
+            with os.fdopen(handle, "w") as log:
+                log.write(text)
+        except OSError:  # a full disk: the next folder may have room
+            Path(name).unlink(missing_ok=True)
+            continue
         return Path(name)
     raise RuntimeError(f"no folder to write the traceback to:\n{text}")
 
@@ -93,6 +111,22 @@ def unwritable_reason(path: Path, error: OSError) -> str:
     return error.strerror or str(error)
 
 
+def checked_job(cfg: DictConfig) -> JobSettings:
+    """The settings a job runs on, from a composed config: checked (settings.py), with a writable output.dir.
+    Every command and the Python API (batchprefill.api) start a job through this."""
+    job = JobSettings.from_config(cfg)
+    check_output_dir(job.output.dir)
+    return job
+
+
+def config_error(error: HydraException | OmegaConfBaseException) -> JobError:
+    """A bad override or config key as the JobError a user reads: Hydra's message, with OmegaConf's cause (the
+    key that is not in the config) when it has one. The command line and the Python API compose alike."""
+    cause = error.__cause__
+    detail = f" {cause}" if isinstance(cause, OmegaConfBaseException) else ""
+    return JobError(f"{error}{detail}")
+
+
 def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[], None]:
     """A Hydra entry point on conf/config.yaml: the config is parsed once into JobSettings, which the task gets;
     any error ends it in one line (see `reported_errors`).
@@ -104,9 +138,7 @@ def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[
     @functools.wraps(task)
     def run(cfg: DictConfig) -> None:
         with reported_errors(command, Path(HydraConfig.get().runtime.output_dir)):
-            job = JobSettings.from_config(cfg)
-            check_output_dir(job.output.dir)
-            task(job)
+            task(checked_job(cfg))
 
     hydra_main = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")(run)
 
@@ -116,11 +148,13 @@ def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[
             try:
                 hydra_main()
             except (HydraException, OmegaConfBaseException) as error:
-                cause = error.__cause__
-                detail = f" {cause}" if isinstance(cause, OmegaConfBaseException) else ""
-                raise JobError(f"{error}{detail}") from error
+                raise config_error(error) from error
             except OSError as error:  # Hydra writes its run folder (hydra.run.dir) under output.dir
                 path = Path(error.filename or ".")
+                if is_disk_full(error):
+                    raise DiskFull(disk_full_message(error, Path(error.filename) if error.filename else None,
+                                                     None if error.filename else "Hydra's run folder (hydra.run.dir, "
+                                                     "under output.dir)")) from error
                 raise JobError(f"{path} cannot be created or written: {unwritable_reason(path, error)}; choose an "
                                "output.dir you can write (Hydra's run folder, hydra.run.dir, is under it)") from error
 

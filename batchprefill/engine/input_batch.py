@@ -35,6 +35,7 @@ class ForwardInputs:
     # Chunks that complete their prompt this step and sample nothing (max_tokens 0: a readout's request): they get
     # no logits row, so a prefill-only step never runs the LM head.
     prefilled: np.ndarray
+    token_adapters: np.ndarray  # [T] int32: each token's LoRA adapter index (0: the base model)
 
     @property
     def is_decode_only(self) -> bool:
@@ -52,6 +53,7 @@ class InputBatch:
         self.keys = np.zeros(max_num_seqs, dtype=np.uint64)
         self.num_outputs = np.zeros(max_num_seqs, dtype=np.int64)
         self.samples = np.ones(max_num_seqs, dtype=bool)  # max_tokens > 0: it samples after its prompt
+        self.adapter = np.zeros(max_num_seqs, dtype=np.int32)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     def release(self, request: Request) -> None:
@@ -69,6 +71,7 @@ class InputBatch:
         self.samples[row] = params.max_tokens > 0
         self.keys[row] = request_key(params.seed, request.request_id, request.sample_index)
         self.num_outputs[row] = len(request.output_token_ids)
+        self.adapter[row] = request.adapter
         self.num_blocks[row] = 0
         return row
 
@@ -130,4 +133,5 @@ class InputBatch:
             query_start=query_start.astype(np.int32), seq_lens=seq_lens.astype(np.int32),
             block_tables=self.block_table[rows_a, :width], logits_rows=query_start[1:][sampled] - 1,
             sampled=sampled, sampling=sampling, prefilled=np.flatnonzero(complete & ~samples),
+            token_adapters=self.adapter[token_rows],
         )

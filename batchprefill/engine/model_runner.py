@@ -12,6 +12,7 @@ from batchprefill.engine.request import Request
 from batchprefill.engine.sampler import SamplingBatch, argmax_for, sample
 from batchprefill.engine.scheduler_output import SchedulerOutput
 from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.kernels.lora import LoraStep
 from batchprefill.model.decoder import DecoderModel
 
 
@@ -24,7 +25,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_dtype, device)
         self.batch = InputBatch(max_num_seqs, model.config.max_positions, block_size)
         self.decoder = None
-        if padded_decode != "off":
+        if padded_decode != "off" and not model.adapters:  # the padded buffers and graphs hold no adapter deltas
             self.decoder = PaddedDecode(model, self.kv_caches, block_size, max_num_seqs, device,
                                         capture=padded_decode == "graphs")
         self._staging = torch.empty(0, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -78,13 +79,16 @@ class ModelRunner:
         return self._run(inputs, inputs.logits_rows, greedy=True).numpy()
 
     def _run(self, inputs: ForwardInputs, rows: np.ndarray, greedy: bool) -> torch.Tensor:
-        return self.model(*self._model_inputs(inputs, rows), greedy=greedy)
+        args, lora = self._model_inputs(inputs, rows)
+        return self.model(*args, greedy=greedy, lora=lora)
 
     def _hidden(self, inputs: ForwardInputs, rows: np.ndarray) -> torch.Tensor:
-        return self.model.final_hidden(*self._model_inputs(inputs, rows))
+        args, lora = self._model_inputs(inputs, rows)
+        return self.model.final_hidden(*args, lora=lora)
 
-    def _model_inputs(self, inputs: ForwardInputs, rows: np.ndarray) -> tuple:
-        """(ids, positions, kv caches, attention metadata, rows) on the device, as the model takes them."""
+    def _model_inputs(self, inputs: ForwardInputs, rows: np.ndarray) -> tuple[tuple, LoraStep | None]:
+        """(ids, positions, kv caches, attention metadata, rows) on the device, as the model takes them, and the
+        step's LoRA adapters (None: every token runs the base model)."""
         ids, positions, slots, query_start, seq_lens, tables, rows = self._to_device(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start, inputs.seq_lens,
             inputs.block_tables, rows)
@@ -93,7 +97,8 @@ class ModelRunner:
             block_tables=tables.to(torch.int32), slot_mapping=slots,
             query_lens_host=np.diff(inputs.query_start).tolist(), seq_lens_host=inputs.seq_lens.tolist(),
         )
-        return ids, positions, self.kv_caches, meta, rows
+        lora = LoraStep.of(inputs.token_adapters, self.device) if self.model.adapters else None
+        return (ids, positions, self.kv_caches, meta, rows), lora
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write for forks: each (source, target) block's K and V, in every layer, in one op per tensor."""

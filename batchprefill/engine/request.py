@@ -23,6 +23,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     namespace: str = ""
+    adapter: int = 0  # its LoRA adapter's index (model.adapters.adapter_index); 0: the base model
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
@@ -124,5 +125,5 @@ class StateReadout(Readout, Protocol):
 def with_samples(request: Request) -> Request:
     """The request as sample 0 of `sampling.n`, carrying samples 1..n-1 as children that fork after its prompt."""
     request.forks = [Request(request.request_id, request.prompt_token_ids, request.sampling, request.namespace,
-                             sample_index=index) for index in range(1, request.sampling.n)]
+                             request.adapter, sample_index=index) for index in range(1, request.sampling.n)]
     return request

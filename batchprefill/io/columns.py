@@ -21,6 +21,10 @@ class Columns:
     sampling: tuple[str, ...] = ()  # per-request sampling columns (OpenAI batch bodies'; see request_params)
     # The input columns the job's task reads besides the prompt, as (data.* key, column name) (tasks.Task).
     task_columns: tuple[tuple[str, str], ...] = ()
+    adapter: str | None = None  # each row's LoRA adapter by name (model.adapters); null or empty: the base model
+    # A name that is not one of the job's adapters runs the base model (an OpenAI batch body's `model`) instead of
+    # making an error row (data.adapter_column).
+    unknown_adapter_is_base: bool = False
     # A column naming each row's task (an OpenAI batch line's, from its url): the job's `task` does not apply to it.
     row_task: str | None = None
 
@@ -31,9 +35,12 @@ def check_columns(schema: pa.Schema, columns: Columns, chat_template: bool = Fal
     names = set(schema.names)
     for key, name in (("prompt_column", columns.prompt), ("system_column", columns.system),
                       ("namespace_column", columns.namespace), ("messages_column", columns.messages),
-                      ("schema_column", columns.schema), *columns.task_columns):
+                      ("schema_column", columns.schema), ("adapter_column", columns.adapter), *columns.task_columns):
         if name is not None and name not in names:
             raise JobError(f"data.{key}={name!r} is not a column of the input (columns: {', '.join(schema.names)})")
+    if columns.adapter is not None and not is_text(schema.field(columns.adapter).type):
+        raise JobError(f"data.adapter_column={columns.adapter!r} is {schema.field(columns.adapter).type}, not a string "
+                       "column: give each row's adapter by its name in model.adapters")
     if columns.schema is not None and not is_text(schema.field(columns.schema).type):
         raise JobError(f"data.schema_column={columns.schema!r} is {schema.field(columns.schema).type}, not a string "
                        "column: give each row's JSON Schema as JSON text")
@@ -60,6 +67,11 @@ def is_token_ids(arrow_type: pa.DataType) -> bool:
 
 
 ROW, TOKENS, ERROR, NAMESPACE = "_bp_row", "_bp_tokens", "_bp_error", "_bp_namespace"
+ADAPTER = "_bp_adapter"  # the row's adapter name as it runs ("" for the base model); also folded into NAMESPACE
+# Between a row's namespace and its adapter in NAMESPACE, which partitions, the order stage and the prefix cache key
+# on: rows of two adapters never share a prefix group nor a cached block; rows of one adapter share as before.
+ADAPTER_SCOPE = "\x1fadapter:"
 
 
-INTERNAL = (ROW, TOKENS, ERROR, NAMESPACE)  # a task's own internal columns are its (tasks.Task.internal_columns)
+# A task's own internal columns are its (tasks.Task.internal_columns).
+INTERNAL = (ROW, TOKENS, ERROR, NAMESPACE, ADAPTER)

@@ -30,6 +30,7 @@ from batchprefill.io.openai_lines import (
     ID,
     LINE,
     MESSAGES,
+    MODEL,
     PROMPT,
     SAMPLING_COLUMNS,
     SCHEMA,
@@ -56,10 +57,12 @@ class OpenAIBatchFormat(InputFormat):
         return OpenAIBatchFile(files)
 
     def columns(self, given: Columns) -> Columns:
-        """The reader's own columns, custom_id the id; a namespace and a per-row schema column may still be named."""
+        """The reader's own columns, custom_id the id; a namespace and a per-row schema column may still be named. A
+        body's `model` that names one of model.adapters runs with it; any other name runs the base model."""
         return Columns(prompt=PROMPT, id=ID, system=None, namespace=given.namespace, messages=MESSAGES,
                        read_error=ERROR_MESSAGE, schema=given.schema, row_task=TASK,
-                       sampling=tuple(field.name for field in SAMPLING_COLUMNS))
+                       sampling=tuple(field.name for field in SAMPLING_COLUMNS), adapter=MODEL,
+                       unknown_adapter_is_base=True)
 
     def finish_outputs(self, out_dir: Path, model: str, token_text: Callable[[int], str]) -> None:
         # here, not at the top: pyarrow.parquet and pyarrow.compute would add 16 MB of RSS to every reader

@@ -13,6 +13,7 @@ import json
 import pyarrow as pa
 
 ID, LINE, URL, PROMPT, MESSAGES, TASK = "custom_id", "line", "url", "prompt", "messages", "task"
+MODEL = "model"  # the body's model: one of model.adapters runs with that adapter, any other name the base model
 ERROR_CODE, ERROR_MESSAGE = "error_code", "error_message"
 CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
@@ -33,6 +34,7 @@ SAMPLING_COLUMNS = [
 ]
 SCHEMA = pa.schema([pa.field(ID, pa.string()), pa.field(LINE, pa.int64()), pa.field(URL, pa.string()),
                     pa.field(TASK, pa.string()), pa.field(PROMPT, pa.string()), pa.field(MESSAGES, MESSAGE_TYPE),
+                    pa.field(MODEL, pa.string()),
                     *SAMPLING_COLUMNS,
                     pa.field(ERROR_CODE, pa.string()), pa.field(ERROR_MESSAGE, pa.string())])
 ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -81,6 +83,8 @@ def _request(request: dict) -> dict:
     if not isinstance(body, dict):
         raise BadLine("missing_body", "the line has no body object")
     row: dict = {URL: url, TASK: URL_TASKS[url]}
+    if isinstance(body.get("model"), str):
+        row[MODEL] = body["model"]
     if url == EMBEDDINGS_URL:
         row[PROMPT] = _one_string(body.get("input"), "a /v1/embeddings body needs input (one string)")
         return row  # nothing is sampled: sampling keys do not apply

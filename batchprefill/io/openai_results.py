@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchprefill.io.atomic import replace_atomic
 from batchprefill.io.openai_lines import CHAT_URL, EMBEDDINGS_URL, ERROR_CODE, ERROR_MESSAGE, ID, LINE, URL
 
 SAMPLE_INDEX = "sample_index"
@@ -37,15 +37,16 @@ def write_results_jsonl(results_dir: Path, path: Path, model: str, token_text: C
     """Write `path` atomically from the Parquet parts in `results_dir`; returns the number of lines."""
     table = _results(results_dir)
     created = int(time.time())
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     count = 0
-    with open(staging, "w") as handle:
-        for rows in _by_line(table):
-            handle.write(json.dumps(result_line(rows, model, created, token_text), ensure_ascii=False) + "\n")
-            count += 1
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(staging, path)
+
+    def write(staging: Path) -> None:
+        nonlocal count
+        with open(staging, "w") as handle:
+            for rows in _by_line(table):
+                handle.write(json.dumps(result_line(rows, model, created, token_text), ensure_ascii=False) + "\n")
+                count += 1
+
+    replace_atomic(path, write)
     return count
 
 

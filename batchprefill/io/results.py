@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from batchprefill.io.atomic import write_atomic
+from batchprefill.io.atomic import STAGING_SUFFIX, write_atomic
 from batchprefill.io.columns import INTERNAL
 from batchprefill.io.own_files import read_parquet
 
@@ -23,6 +24,7 @@ OUTPUT_FIELDS = [
     pa.field("error", pa.string()),
 ]
 RESUME_REMEDY = "delete the part and rerun: its rows run again"
+DAMAGED_DIR = ".damaged"  # under results/: parts that could not be read, set aside, never counted
 SAMPLE_INDEX = pa.field("sample_index", pa.int32())  # with sampling.n > 1: which of a row's samples
 LOGPROB_FIELDS = [  # with sampling.logprobs
     pa.field("output_logprobs", pa.list_(pa.float64())),
@@ -50,6 +52,31 @@ def done_ids(results_dir: Path, id_column: str, samples: bool = False) -> set:
     return ids
 
 
+def clear_leftovers(results_dir: Path, shard_index: int, stats_folder: Path) -> list[str]:
+    """What a crashed writer of this shard left in `results_dir` and its `stats_folder`, cleared before the shard's
+    run counts its rows (the caller holds the shard's lock, so no live writer owns any of it): staging files are
+    removed, and parts that cannot be read (cut short by a version that wrote in place) are moved to
+    `results/.damaged/`, so their rows run again and nothing a person may want to look at is deleted. Returns one
+    phrase per kind of leftover."""
+    prefix = f"part-{shard_index:04d}-"
+    staging = [*results_dir.glob(f".{prefix}*{STAGING_SUFFIX}"), *stats_folder.glob(f".*{STAGING_SUFFIX}")]
+    for file in staging:
+        file.unlink(missing_ok=True)
+    damaged = []
+    for part in sorted(results_dir.glob(f"{prefix}*.parquet")):
+        try:
+            pq.read_metadata(part)
+        except pa.ArrowInvalid:  # no footer: never committed whole
+            (results_dir / DAMAGED_DIR).mkdir(exist_ok=True)
+            part.rename(results_dir / DAMAGED_DIR / part.name)
+            damaged.append(part.name)
+    done = [f"removed {len(staging)} staging file(s) of a killed writer"] if staging else []
+    if damaged:
+        done.append(f"set aside {len(damaged)} part(s) that cannot be read ({', '.join(damaged)}) in "
+                    f"{results_dir / DAMAGED_DIR}; their rows run again")
+    return done
+
+
 @dataclass
 class Outcome:
     """What one input row produced."""
@@ -67,11 +94,13 @@ class Outcome:
 
 
 class ResultWriter:
-    """Buffers finished rows and commits them as Parquet parts of bounded size or age."""
+    """Buffers finished rows and commits them as Parquet parts of bounded size or age. `guard` runs before each
+    commit and raises if this run may no longer write (its lock on the shard was lost)."""
 
     def __init__(self, results_dir: Path, shard_index: int, every_rows: int, every_seconds: float,
-                 fields: list[pa.Field] = OUTPUT_FIELDS):
+                 fields: list[pa.Field] = OUTPUT_FIELDS, guard: Callable[[], None] = lambda: None):
         self.results_dir = results_dir
+        self.guard = guard
         self.fields = fields
         self.prefix = f"part-{shard_index:04d}-{time.time_ns():x}"
         self.every_rows = every_rows
@@ -90,6 +119,7 @@ class ResultWriter:
         self.last_commit = time.monotonic()
         if not self.pending:
             return
+        self.guard()
         pieces = []
         by_table: dict[int, tuple[pa.Table, list[int], list[Outcome]]] = {}
         for table, index, outcome in self.pending:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from batchprefill.kernels.experts import ExpertWeights
+from batchprefill.kernels.lora import LoraStep, LoraWeights
 
 
 @dataclass
@@ -92,3 +93,7 @@ class Ops(Protocol):
     ) -> torch.Tensor:
         """Mixture-of-experts MLP `[T, H]` -> `[T, H]`: each token's `topk_ids` `[T, K]` experts, weighted by
         `topk_weights` `[T, K]` (float32) and summed."""
+
+    def lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, step: LoraStep) -> None:
+        """Add to `out` `[T, out]`, in place, each token's adapter's LoRA delta of projection input `x` `[T, in]`:
+        `(x A.T) B.T` with the scale folded into B, for the adapters `step` assigns (base-model tokens unchanged)."""

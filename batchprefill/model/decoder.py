@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from batchprefill.kernels.interface import AttentionMetadata, Ops
+from batchprefill.kernels.lora import LoraHook, LoraStep, LoraWeights
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.families import family_for
 from batchprefill.model.families.base import Layer, Weights, norm
@@ -48,6 +49,9 @@ class DecoderModel(torch.nn.Module):
                                                     None if local else config.rope_scaling).to(self.embed.device)
             self.cos_sin.append(tables[theta, local])
         self.scale = config.query_scale or config.head_dim**-0.5
+        # Per layer, projection -> the LoRA adapters on it (model/adapters.py); empty without model.adapters.
+        self.adapters: list[dict[str, LoraWeights]] = []
+        self._mlp_lora: list[bool] = []  # per layer: an adapter targets its MLP
 
     @torch.inference_mode()
     def forward(
@@ -58,16 +62,18 @@ class DecoderModel(torch.nn.Module):
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,
         greedy: bool = False,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """Logits `[len(logits_rows), vocab]` for the flat-batch rows that need a next token; with `greedy`, their
-        argmax instead (int64 `[len(logits_rows)]`), which on the CPU never makes the full logits (LMHead)."""
-        normed = self.final_hidden(input_ids, positions, kv_caches, meta, logits_rows)
+        argmax instead (int64 `[len(logits_rows)]`), which on the CPU never makes the full logits (LMHead).
+        `lora`: which tokens run which adapter this step (None: all run the base model)."""
+        normed = self.final_hidden(input_ids, positions, kv_caches, meta, logits_rows, lora)
         return self.lm_head.greedy_tokens(normed) if greedy else self.lm_head.logits(normed)
 
     @torch.inference_mode()
     def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                     rows: torch.Tensor) -> torch.Tensor:
+                     rows: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
         """The hidden states after the final norm `[len(rows), hidden]` at the flat-batch `rows`: what a head (or
         an embedding) reads. Only these rows are summed with the residual and normed."""
         cfg, ops = self.config, self.ops
@@ -78,22 +84,45 @@ class DecoderModel(torch.nn.Module):
             hidden = hidden * self.embedding_scale
         residual = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            hook = self._lora_hook(i, lora)
             normed, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
-            hidden = self._attention(i, layer, normed, positions, k_cache, v_cache, meta)
+            hidden = self._attention(i, layer, normed, positions, k_cache, v_cache, meta, hook)
             if layer.post_attention_norm is not None:
                 hidden, _ = ops.rms_norm(hidden, layer.post_attention_norm, eps)
             normed, residual = ops.rms_norm(hidden, layer.pre_mlp_norm, eps, residual)
-            hidden = layer.mlp(normed, ops)
+            hidden = layer.mlp(normed, ops) if hook is None or not self._mlp_lora[i] else layer.mlp(normed, ops, hook)
             if layer.post_mlp_norm is not None:
                 hidden, _ = ops.rms_norm(hidden, layer.post_mlp_norm, eps)
         last = hidden[rows] + residual[rows]
         return ops.rms_norm(last, self.final_norm, eps)[0]
 
+    def attach_adapters(self, adapters: list[dict[str, LoraWeights]]) -> None:
+        """Hold the job's LoRA adapters (`model.adapters.load_adapters`) for every later forward pass."""
+        self.adapters = adapters
+        self._mlp_lora = [bool({"gate_up", "down"} & set(layer)) for layer in adapters]
+
+    def _lora_hook(self, i: int, step: LoraStep | None) -> LoraHook | None:
+        """What layer i's projections call to add their adapters' deltas this step; None when nothing to add."""
+        if step is None or not self.adapters or not self.adapters[i]:
+            return None
+        projections, lora = self.adapters[i], self.ops.lora
+
+        def hook(slot: str, out: torch.Tensor, x: torch.Tensor) -> None:
+            weights = projections.get(slot)
+            if weights is not None:
+                lora(out, x, weights, step)
+
+        return hook
+
     def _attention(self, i: int, layer: Layer, normed: torch.Tensor, positions: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   hook: LoraHook | None = None) -> torch.Tensor:
         cfg, ops = self.config, self.ops
         q_size, kv_size, head_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
-        q, k, v = layer.qkv(normed).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = layer.qkv(normed)
+        if hook is not None:
+            hook("qkv", qkv, normed)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, head_dim)
         k = k.view(-1, cfg.num_kv_heads, head_dim)
         v = v.view(-1, cfg.num_kv_heads, head_dim)
@@ -107,5 +136,8 @@ class DecoderModel(torch.nn.Module):
         else:
             q, k = ops.rope(q, k, positions, self.cos_sin[i])
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        attn = ops.attention(q, k_cache, v_cache, meta, self.scale, self.windows[i])
-        return layer.o(attn.view(-1, q_size))
+        attn = ops.attention(q, k_cache, v_cache, meta, self.scale, self.windows[i]).view(-1, q_size)
+        out = layer.o(attn)
+        if hook is not None:
+            hook("o", out, attn)
+        return out

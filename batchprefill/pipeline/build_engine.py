@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -14,7 +15,9 @@ from batchprefill.engine.kv_cache import pool_blocks
 from batchprefill.engine.structured import StructuredOutputs
 from batchprefill.errors import JobError
 from batchprefill.malloc import keep_freed_memory
+from batchprefill.model.adapters import adapter_identity, load_adapters
 from batchprefill.model.config import ModelConfig
+from batchprefill.model.families.base import GatedMLP
 from batchprefill.model.loader import LoadedModel, load_model, make_ops, resolve_device, resolve_dtype
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.prepare import ModelFiles, Prepared
@@ -26,11 +29,16 @@ class JobModel:
     """The model loaded for a job, with what every engine built on it shares."""
 
     loaded: LoadedModel
-    config: ModelConfig
+    files: ModelFiles  # what it was loaded from: a Runner's later jobs prepare their input with its tokenizer
     device: torch.device
     dtype: torch.dtype
     kv_dtype: torch.dtype
     graph_safe_decode: bool
+    adapter_scope: tuple = ()  # (name, fingerprint) of every adapter: part of each block's cache scope
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.files.config
 
 
 def structured_outputs(job: JobSettings, prepared: Prepared) -> StructuredOutputs:
@@ -64,7 +72,20 @@ def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
     kv_dtype = dtype if settings.kv_cache_dtype == "auto" else resolve_dtype(settings.kv_cache_dtype, device)
     ops = make_ops(settings.attention_backend, device)
     loaded = load_model(files.folder, dtype, device, ops, files.config, files.identity)
-    return JobModel(loaded, files.config, device, dtype, kv_dtype, ops.graph_safe_decode)
+    adapter_scope = attach_job_adapters(job, loaded, files.config, dtype, device)
+    return JobModel(loaded, files, device, dtype, kv_dtype, ops.graph_safe_decode, adapter_scope)
+
+
+def attach_job_adapters(job: JobSettings, loaded: LoadedModel, config: ModelConfig, dtype: torch.dtype,
+                        device: torch.device) -> tuple:
+    """Load model.adapters onto the model's device, once for the job, before any prompt runs (an adapter it
+    cannot serve is a JobError naming it); their (name, fingerprint) pairs, for the cache scope."""
+    if not job.model.adapters:
+        return ()
+    folders = {name: Path(folder).expanduser() for name, folder in job.model.adapters.items()}
+    dense = [isinstance(layer.mlp, GatedMLP) for layer in loaded.model.layers]
+    loaded.model.attach_adapters(load_adapters(folders, config, dense, dtype, device))
+    return tuple((name, adapter_identity(folder)) for name, folder in sorted(folders.items()))
 
 
 def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tokens_needed: int,
@@ -78,5 +99,5 @@ def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tok
                              settings.kv_cache_tokens, tokens_needed)
     config = EngineConfig(settings, num_blocks, padded_decode="graphs" if graphs else "off")
     scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
-             model_config.layer_windows, settings.block_size, job.model.adapter)
+             model_config.layer_windows, settings.block_size, model.adapter_scope)
     return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured)

@@ -36,6 +36,7 @@ class PrepareSettings:
     read_batch_rows: int
     buffer_mb: int
     task: str = "generate"  # what it tokenizes beyond the prompt (tasks.Task.tokenize)
+    adapters: tuple[str, ...] = ()  # the names in model.adapters: a row naming another is an error row
     min_partitions: int = 1  # e.g. a few per shard, so that shards balance; not part of the fingerprint
     vocab_size: int | None = None  # token-id prompts must stay below it; tokenizer_id fixes it: not fingerprinted
 
@@ -82,14 +83,25 @@ def partition_records(manifest: Manifest, shards: list[list[int]]) -> list[dict]
 
 
 @contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """One process prepares; shards started at the same time wait for it and reuse its partitions."""
+def locked(path: Path, required: bool = True) -> Iterator[None]:
+    """One process at a time: one prepares while shards started at the same time wait for it and reuse its
+    partitions; one checks and takes a shard's lease (pipeline.shard_lock).
+
+    flock is coherent across hosts on a local disk, NFS (the client turns it into a server-side lock) and Lustre
+    mounted with `flock`; Lustre mounted `noflock` refuses it (ENOSYS), where `required=False` goes on unlocked."""
     with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            held = True
+        except OSError:
+            if required:
+                raise
+            held = False
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            if held:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def recipe_fingerprint(files: list[Path], settings: PrepareSettings) -> str:

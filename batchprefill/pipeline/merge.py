@@ -43,6 +43,7 @@ from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.manifest import MANIFEST_NAME, partition_path, read_manifest, read_partition
 from batchprefill.pipeline.order import assign_shards
 from batchprefill.report.run_figure import write_run_figure
+from batchprefill.report.stats import ADAPTER_SCHEMA
 from batchprefill.settings import JobSettings
 
 # The job row's columns combined by their largest value; the rates are recomputed and every other column is a count,
@@ -178,6 +179,14 @@ def merge_stats(stats: Path, folders: list[Path]) -> dict:
         steps.append(table)
     write_atomic(groups, stats / "groups.parquet")
     write_atomic(_concat(steps), stats / "steps.parquet")
+    adapters = [read_parquet(f / "adapters.parquet", None, STATS_REMEDY) for f in folders
+                if (f / "adapters.parquet").exists()]
+    if adapters:  # with model.adapters: each adapter's counts summed over the shards
+        counts = ADAPTER_SCHEMA.names[1:]
+        combined = _concat(adapters).group_by("adapter").aggregate([(name, "sum") for name in counts])
+        combined = combined.select(["adapter", *(f"{name}_sum" for name in counts)])
+        combined = combined.rename_columns(ADAPTER_SCHEMA.names)
+        write_atomic(combined.sort_by("adapter"), stats / "adapters.parquet")
     write_records([job], stats / "job.parquet")
     return job
 

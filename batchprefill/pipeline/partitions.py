@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from batchprefill.errors import JobError
+from batchprefill.io.atomic import disk_full_named, fsync_dir, fsync_file
 from batchprefill.io.columns import NAMESPACE, ROW, TOKENS, check_columns
 from batchprefill.io.formats import open_dataset
 from batchprefill.io.input_format import InputDataset, record_batches
@@ -76,11 +77,27 @@ def make_partitions(files: list[Path], fmt: str, settings: PrepareSettings, toke
             shutil.rmtree(folder)  # the input or the settings changed: earlier partitions are stale
         staging = folder.with_name(folder.name + ".staging")
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        manifest = _spill(files, fmt, settings, tokenizer, staging, fingerprint, progress, workers)
-        write_manifest(staging, manifest)
+        try:
+            with disk_full_named(staging):
+                staging.mkdir(parents=True)
+                manifest = _spill(files, fmt, settings, tokenizer, staging, fingerprint, progress, workers)
+                write_manifest(staging, manifest)
+                _flush_folder(staging)
+        except BaseException:  # a full disk gets its room back; a rerun would remove the staging folder anyway
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         staging.rename(folder)
+        fsync_dir(folder.parent)
         return manifest
+
+
+def _flush_folder(folder: Path) -> None:
+    """The partitions and the manifest on disk before the folder is renamed into place: a power loss cannot leave
+    a manifest over partitions that were never written."""
+    for file in folder.iterdir():
+        if file.is_file():
+            fsync_file(file)
+    fsync_dir(folder)
 
 
 def _spill(files, fmt, settings: PrepareSettings, tokenizer, staging: Path, fingerprint: str,

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchprefill.io.atomic import write_records
-from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS
+from batchprefill.io.columns import ADAPTER_SCOPE, ERROR, NAMESPACE, ROW, TOKENS
 from batchprefill.pipeline.manifest import read_partition
 from batchprefill.pipeline.order import groups, in_run_order, reusable_tokens, shared_with_previous
 from batchprefill.pipeline.prepare import prepare_job
@@ -40,6 +40,7 @@ PLAN_SCHEMA = pa.schema([
     ("computed_tokens_without_reuse", pa.int64()), ("prefill_flops_with_reuse", pa.float64()),
     ("prefill_flops_without_reuse", pa.float64()), ("kv_bytes_per_token", pa.int64()),
     ("kv_bytes_total", pa.int64()), ("kv_transfer_seconds_mean", pa.float64()),
+    ("adapters", pa.int64()),  # LoRA adapters the runnable rows name (the base model not counted)
 ])
 
 
@@ -81,6 +82,7 @@ class Tally:
     # full blocks shared with another prompt -> requests; seen within a partition, which in prefix order
     # never splits prompts that share a block
     depths: Counter = field(default_factory=Counter)
+    adapters: set = field(default_factory=set)  # adapter names the runnable rows run with
 
     def add_partition(self, table: pa.Table, order: str, block_size: int) -> None:
         """Count one partition in the order a run would take it; error rows never reach the engine."""
@@ -98,6 +100,8 @@ class Tally:
         self.prompt_tokens += int(lengths.sum())
         self.group_sizes.update(g.stop - g.start for g in groups(run.token_ids, run.namespaces, block_size))
         self.depths.update(sharing_depths(trie.token_ids, trie.namespaces, block_size).tolist())
+        scopes = set(run.namespaces.unique().to_pylist()) if count else set()
+        self.adapters.update(s.split(ADAPTER_SCOPE, 1)[1] for s in scopes if ADAPTER_SCOPE in s)
 
 
 def kv_element_bytes(job: JobSettings) -> int:
@@ -129,6 +133,7 @@ def plan_row(tally: Tally, model: ModelConfig, element_bytes: int, link_gbps: fl
                                                            model.head_dim, tally.pairs_without_reuse)),
         "kv_bytes_per_token": per_token, "kv_bytes_total": kv_total,
         "kv_transfer_seconds_mean": transfer_seconds(kv_total / tally.requests, link_gbps) if tally.requests else 0.0,
+        "adapters": len(tally.adapters),
     }
 
 

@@ -46,9 +46,11 @@ def open_model(settings: ModelSettings) -> ModelFiles:
     return ModelFiles(folder, read_model_config(folder), model_identity(folder), PromptTokenizer(folder))
 
 
-def prepare_job(job: JobSettings) -> Prepared:
+def prepare_job(job: JobSettings, model: ModelFiles | None = None) -> Prepared:
+    """The job's input partitioned for its model: `model` when a caller opened it already (a Runner keeps it), else
+    the one `model.path` names."""
     files, fmt = resolve_input(job.data.input, job.data.format)
-    model = open_model(job.model)
+    model = model or open_model(job.model)
     if not input_format(fmt).row_tasks:  # rows that name their own task are checked one by one (requests.py)
         check_head(job.task, get_task(job.task).head, model.config, model.folder)
     if (job.data.chat_template or job.data.columns.messages) and model.tokenizer.chat_template is None:
@@ -59,7 +61,7 @@ def prepare_job(job: JobSettings) -> Prepared:
         block_size=job.engine.block_size, max_prompt_tokens=_max_prompt_tokens(job, model.config),
         tokenizer_id=model.identity, read_batch_rows=job.data.read_batch_rows, buffer_mb=job.data.buffer_mb,
         task=job.task, min_partitions=PARTITIONS_PER_SHARD * job.data.sharding.num_shards,
-        vocab_size=model.config.vocab_size,
+        vocab_size=model.config.vocab_size, adapters=tuple(sorted(job.model.adapters)),
     )
     partitions_dir = job.output.dir / "partitions"
     manifest = make_partitions(files, fmt, prepare_settings, model.tokenizer, partitions_dir, job.output.progress)

@@ -9,7 +9,8 @@ import numpy as np
 import pyarrow as pa
 
 from batchprefill.engine.request import Request
-from batchprefill.io.columns import ERROR, ROW
+from batchprefill.io.columns import ADAPTER, ERROR, ROW
+from batchprefill.model.adapters import adapter_index
 from batchprefill.model.heads import head_mismatch
 from batchprefill.pipeline.manifest import read_partition
 from batchprefill.pipeline.order import Group, groups, in_run_order, reusable_tokens, shared_with_previous
@@ -62,11 +63,24 @@ def load_partition(job: JobSettings, task: Task, prepared: Prepared, part: int, 
     requests, tasks = (_requests_by_row_task(ordered, data.columns.row_task) if data.columns.row_task
                        else (task.requests(ordered), {}))
     table = table.drop_columns(list(task.internal_columns))
+    if ADAPTER in table.column_names:
+        with_adapters(requests, table[ADAPTER].take(order).to_pylist(), adapter_index(list(job.model.adapters)))
     link_prefix_donors(requests, shared_with_previous(token_ids, namespaces, block_size))
     errors = [(i, message) for i, message in enumerate(sampling.errors) if message is not None]
     return PartitionRun(part, table, errors, requests, groups(token_ids, namespaces, block_size),
                         dict(zip(rows, order.tolist())), sum(r.sampling.n for r in requests),
                         sum(reusable_tokens(token_ids, namespaces, block_size)), written, tasks)
+
+
+def with_adapters(requests: list[Request], names: list[str], index: dict[str, int]) -> None:
+    """Each request (one per row, in run order) and every child it forks runs its row's adapter ("": the base)."""
+    for request, name in zip(requests, names, strict=True):
+        if name:
+            pending = [request]
+            while pending:
+                child = pending.pop()
+                child.adapter = index[name]
+                pending.extend(child.forks)
 
 
 def link_prefix_donors(requests: list[Request], shared_blocks: np.ndarray) -> None:

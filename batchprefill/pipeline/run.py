@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -17,12 +18,14 @@ from batchprefill.io.atomic import write_records
 from batchprefill.io.columns import ROW
 from batchprefill.io.formats import input_format
 from batchprefill.io.results import Outcome, ResultWriter, done_ids
-from batchprefill.pipeline.build_engine import build_engine, structured_outputs
+from batchprefill.model.loader import dtype_choice, resolve_device
+from batchprefill.pipeline.build_engine import JobModel, build_engine, engine_on, structured_outputs
 from batchprefill.pipeline.manifest import PARTITION_SCHEMA, partition_path, partition_records, read_partition
 from batchprefill.pipeline.order import assign_shards
 from batchprefill.pipeline.prepare import Prepared, prepare_job
 from batchprefill.pipeline.request_params import max_output_tokens, may_be_constrained
 from batchprefill.pipeline.requests import PartitionRun, load_partition
+from batchprefill.pipeline.shard_lock import ShardLock, sole_writer
 from batchprefill.report.run_figure import write_run_figure
 from batchprefill.report.stats import JobTotals, job_row, stats_dir, write_stats
 from batchprefill.report.summary import print_run_summary
@@ -37,26 +40,35 @@ class Interrupted(Exception):
     """SIGTERM arrived (Slurm preemption or time limit): commit what finished and stop."""
 
 
-def run_job(job: JobSettings) -> dict:
-    """Run the job these settings describe; returns the job statistics row."""
+def run_job(job: JobSettings, model: JobModel | None = None) -> dict:
+    """Run the job these settings describe, as the one live writer of its shard; returns the job statistics row.
+    With `model` (a batchprefill.Runner's, loaded for settings with the same model.* and engine.* keys) it loads
+    nothing and builds its engine on that."""
+    with sole_writer(job.output.dir, job.data.sharding, job.output.lease_seconds) as lock:
+        return _run_job(job, lock, model)
+
+
+def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     started = time.perf_counter()
     task = get_task(job.task)
-    prepared = prepare_job(job)
+    prepared = prepare_job(job, model.files if model else None)
     out, sharding = job.output.dir, job.data.sharding
     results_dir = out / "results"
     skip = _committed_ids(job, results_dir)
     mine = _shard_partitions(job, prepared)
     output_tokens, constrained = _shard_demand(job, prepared, mine)
     structured = structured_outputs(job, prepared) if constrained else None  # before the model: a bad schema fails fast
-    engine = build_engine(job, prepared, _tokens_needed(job, task, prepared, mine, output_tokens), structured)
+    tokens_needed = _tokens_needed(job, task, prepared, mine, output_tokens)
+    engine = (engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured) if model
+              else build_engine(job, prepared, tokens_needed, structured))
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds,
-                          _result_fields(job, task))
-    totals = JobTotals()
+                          _result_fields(job, task), lock.check)
+    totals = JobTotals(adapter_names=[None, *sorted(job.model.adapters)])
     bar = tqdm(total=sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n, desc=job.task,
                unit="req",
                disable=not job.output.progress)
-    stop = _trap_sigterm()
+    stop, previous_handler = _trap_sigterm()
     try:
         _drive(engine, _requests(task, job, prepared, mine, skip, writer, totals, bar, stop), task, writer, totals,
                bar, stop)
@@ -65,14 +77,17 @@ def run_job(job: JobSettings) -> dict:
         print(f"batchprefill: stopped by SIGTERM after committing {writer.committed_rows} rows; "
               "rerun with the same output.dir to resume", file=sys.stderr)
         sys.exit(SIGTERM_EXIT_STATUS)
-    bar.close()
+    finally:  # before any error line: a bar left open redraws itself at exit, after it
+        bar.close()
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
     stats = job_row(totals, engine.counters, engine.config, time.perf_counter() - started)
     stats_folder = stats_dir(out, sharding)
     write_stats(stats_folder, totals, engine.counters.steps, stats)
     if sharding.num_shards == 1:  # shards: the merge finishes the outputs
         input_format(job.data.format).finish_outputs(out, job.model.name, prepared.model.tokenizer.decode_one)
     figure = write_run_figure(stats_folder, "batchprefill") if job.output.plot else None
-    print_run_summary(stats, out, figure)
+    print_run_summary(stats, out, figure, dtype_choice(job.model.dtype, resolve_device(job.engine.device)))
     return stats
 
 
@@ -119,14 +134,18 @@ def _tokens_needed(job: JobSettings, task: Task, prepared: Prepared, partitions:
     return task.kv_tokens(prompt_tokens, output_tokens, job.sampling.n)
 
 
-def _trap_sigterm() -> list[bool]:
+def _trap_sigterm() -> tuple[list[bool], object]:
+    """A flag SIGTERM sets, and the handler it replaced, which the job puts back when it ends: a Python caller's
+    process (a notebook's kernel) must not go on ignoring SIGTERM. Only the main thread may trap signals, so a job
+    run from another thread (a pipeline's worker) is stopped by SIGTERM as its process would be."""
     flag = [False]
+    if threading.current_thread() is not threading.main_thread():
+        return flag, None
 
     def handler(signum, frame):
         flag[0] = True
 
-    signal.signal(signal.SIGTERM, handler)
-    return flag
+    return flag, signal.signal(signal.SIGTERM, handler)
 
 
 def _requests(task: Task, job: JobSettings, prepared: Prepared, partitions: list[int], skip: set,

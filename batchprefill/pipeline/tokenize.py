@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS, is_token_ids
+from batchprefill.io.columns import ADAPTER, ADAPTER_SCOPE, ERROR, NAMESPACE, ROW, TOKENS, Columns, is_token_ids
 from batchprefill.io.input_format import InputDataset, record_batches
 from batchprefill.model.tokenizer import ENCODE_ROWS
 from batchprefill.pipeline.manifest import PrepareSettings
@@ -78,10 +78,33 @@ def _tokenized(batch: pa.RecordBatch, offset: int, settings: PrepareSettings, to
         namespaces = pc.fill_null(pc.cast(table[columns.namespace], pa.string()), "")
     else:
         namespaces = pa.array(np.full(batch.num_rows, ""), pa.string())
+    if columns.adapter:
+        adapters = row_adapters(table[columns.adapter], columns, settings.adapters, errors)
+        namespaces = pa.array([f"{namespace}{ADAPTER_SCOPE}{adapter}" if adapter else namespace
+                               for namespace, adapter in zip(namespaces.to_pylist(), adapters)], pa.string())
+        table = table.append_column(ADAPTER, pa.array(adapters, pa.string()))
     return (table.append_column(ROW, pa.array(row_numbers))
             .append_column(TOKENS, tokens)
             .append_column(ERROR, pa.array(errors, type=pa.string()))
             .append_column(NAMESPACE, namespaces))
+
+
+def row_adapters(names: pa.ChunkedArray, columns: Columns, adapters: tuple[str, ...],
+                 errors: list[str | None]) -> list[str]:
+    """Each row's adapter as it runs ("" for the base model). A row naming an adapter the job does not have gets
+    an error in `errors` (data.adapter_column), or runs the base model where the format says so (an OpenAI batch
+    line's `model` names the base model or an adapter)."""
+    given = pc.fill_null(pc.cast(names, pa.string()), "").to_pylist()
+    known = set(adapters)
+    running = []
+    for i, name in enumerate(given):
+        if name and name not in known:
+            if not columns.unknown_adapter_is_base and errors[i] is None:
+                have = ", ".join(sorted(known)) or "none"
+                errors[i] = f"adapter {name!r} is not one of this job's model.adapters ({have})"
+            name = ""
+        running.append(name)
+    return running
 
 
 def _texts(table: pa.Table, settings: PrepareSettings, tokenizer) -> tuple[list[str], list[str | None]]:

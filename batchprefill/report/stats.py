@@ -16,7 +16,14 @@ from batchprefill.settings import Sharding
 
 GROUP_SCHEMA = pa.schema([("group_id", pa.int64()), ("num_requests", pa.int64()),
                           ("shared_prefix_tokens", pa.int64()), ("prompt_tokens", pa.int64()),
-                          ("cached_tokens", pa.int64()), ("computed_prompt_tokens", pa.int64())])
+                          ("cached_tokens", pa.int64()), ("computed_prompt_tokens", pa.int64()),
+                          ("adapter", pa.string())])  # the group's LoRA adapter (model.adapters); null: the base
+
+
+ADAPTER_COUNTS = ("num_requests", "num_errors", "prompt_tokens", "cached_tokens", "output_tokens")
+# With model.adapters: what each adapter's rows cost (rows that never reached the engine are not in it).
+ADAPTER_SCHEMA = pa.schema([("adapter", pa.string()), *((name, pa.int64()) for name in ADAPTER_COUNTS),
+                            ("computed_prompt_tokens", pa.int64())])
 
 
 class PrefixGroup(Protocol):
@@ -36,6 +43,8 @@ class JobTotals:
     output_tokens: int = 0
     ideal_cached_tokens: int = 0  # what an ideal cache serves in this run order, summed as partitions load
     group_rows: list[dict] = field(default_factory=list)
+    adapter_names: list[str | None] = field(default_factory=lambda: [None])  # by adapter index; 0: the base model
+    by_adapter: dict[int, dict] = field(default_factory=dict)  # adapter index -> its rows' counts (ADAPTER_SCHEMA)
 
     def add_error_row(self) -> None:
         self.num_requests += 1
@@ -47,6 +56,19 @@ class JobTotals:
         self.prompt_tokens += request.num_row_prompt_tokens
         self.cached_tokens += request.num_cached_tokens or 0
         self.output_tokens += len(request.output_token_ids)
+        if len(self.adapter_names) > 1:
+            counts = self.by_adapter.setdefault(request.adapter, dict.fromkeys(ADAPTER_COUNTS, 0))
+            counts["num_requests"] += 1
+            counts["num_errors"] += request.error is not None
+            counts["prompt_tokens"] += request.num_row_prompt_tokens
+            counts["cached_tokens"] += request.num_cached_tokens or 0
+            counts["output_tokens"] += len(request.output_token_ids)
+
+    def adapter_rows(self) -> list[dict]:
+        """stats/adapters.parquet: one row per adapter that ran (null: the base model), in index order."""
+        return [{"adapter": self.adapter_names[index], **counts,
+                 "computed_prompt_tokens": counts["prompt_tokens"] - counts["cached_tokens"]}
+                for index, counts in sorted(self.by_adapter.items())]
 
     def add_groups(self, part: int, run_groups: list[PrefixGroup], requests: list[Request]) -> None:
         """One stats/groups.parquet row per prefix group of a finished partition (ids unique across partitions)."""
@@ -57,7 +79,8 @@ class JobTotals:
             self.group_rows.append({
                 "group_id": (part << 32) | number, "num_requests": len(members),
                 "shared_prefix_tokens": group.shared_prefix_tokens, "prompt_tokens": prompt,
-                "cached_tokens": cached, "computed_prompt_tokens": prompt - cached})
+                "cached_tokens": cached, "computed_prompt_tokens": prompt - cached,
+                "adapter": self.adapter_names[members[0].adapter]})
 
 
 def job_row(totals: JobTotals, counters: EngineCounters, config: EngineConfig, wall: float) -> dict:
@@ -90,4 +113,6 @@ def write_stats(folder: Path, totals: JobTotals, steps: list[StepStats], job: di
     write_records(totals.group_rows, folder / "groups.parquet", GROUP_SCHEMA)
     write_records([job], folder / "job.parquet")
     write_records([asdict(s) for s in steps], folder / "steps.parquet")
+    if len(totals.adapter_names) > 1:
+        write_records(totals.adapter_rows(), folder / "adapters.parquet", ADAPTER_SCHEMA)
 

@@ -8,10 +8,12 @@ from pathlib import Path
 from batchprefill.units import readable_bytes
 
 
-def print_run_summary(job: dict, out: Path, figure: Path | None) -> None:
-    """The job's statistics row (report.stats.job_row) in a few sentences, and where its files and figure are."""
+def print_run_summary(job: dict, out: Path, figure: Path | None, precision: str) -> None:
+    """The job's statistics row (report.stats.job_row) in a few sentences, the precision it ran in and why
+    (`model.loader.dtype_choice`), and where its files and figure are."""
     print(
-        f"batchprefill: {job['num_requests']} requests ({job['num_errors']} errors) in {job['wall_seconds']:.1f} s. "
+        f"batchprefill: {job['num_requests']} requests ({job['num_errors']} errors) in {job['wall_seconds']:.1f} s, "
+        f"in {precision}. "
         f"Of {job['prompt_tokens']} prompt tokens, {job['cached_tokens']} came from the prefix cache "
         f"({job['cache_hit_rate']:.1%}) and {job['computed_prompt_tokens']} were computed "
         f"({job['prefill_tokens_per_second']:.0f} tokens/s); {job['output_tokens']} tokens were generated "
@@ -30,7 +32,9 @@ def print_plan_summary(row: dict, link_gbps: float, out: Path) -> None:
     saved = 1 - with_flops / without_flops if without_flops else 0.0
     print(
         f"batchprefill plan: {row['requests']} requests ({row['error_rows']} error rows) in {row['groups']} "
-        f"prefix groups, the largest of {row['largest_group']} requests\n"
+        f"prefix groups, the largest of {row['largest_group']} requests"
+        + (f"; each group runs one of {row['adapters']} LoRA adapters or the base model" if row.get("adapters") else "")
+        + "\n"
         f"  prompt tokens to compute: {computed:,} with prefix reuse vs {without:,} without ({ratio})\n"
         f"  prefill FLOPs: {with_flops:.3g} with reuse vs {without_flops:.3g} without ({saved:.1%} saved)\n"
         f"  KV cache: {row['kv_bytes_per_token']:,} bytes per token, {readable_bytes(row['kv_bytes_total'])} "

@@ -1,6 +1,7 @@
 """RMSNorm (residual add folded in), RoPE and the KV store on the CPU, one pass over each row in C++
-(`kernels/native/csrc/elementwise.cpp`, built and loaded by `build.py`); the source says why. Float32 CPU tensors
-take it; anything else runs the torch ops (`kernels/torch/elementwise.py`), which are also its reference."""
+(`kernels/native/csrc/elementwise.cpp`, built and loaded by `build.py`); the source says why. Float32 and bfloat16
+CPU tensors take it (every tensor of a call in one dtype); anything else runs the torch ops
+(`kernels/torch/elementwise.py`), which are also its reference."""
 
 from __future__ import annotations
 
@@ -11,36 +12,38 @@ import torch
 from batchprefill.kernels.native import build as native
 from batchprefill.kernels.torch import elementwise as torch_elementwise
 
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the entry points of each op, by element type
 
-def _takes(*tensors: torch.Tensor) -> bool:
-    """Float32 CPU tensors whose last dimension is contiguous: the layout the C++ loops index."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
+
+def _takes(*tensors: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """CPU tensors of one dtype the C++ loops have (`dtype`, or the first's) whose last dimension is contiguous."""
+    dtype = dtype or tensors[0].dtype
+    return dtype in SUFFIXES and all(
+        t.dtype == dtype and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
 
 
 class NativeElementwise:
     def __init__(self, library: ctypes.CDLL):
         pointer, size = ctypes.c_void_p, ctypes.c_int64
-        self._norm = library.add_rms_norm_f32
-        self._norm.restype = None
-        self._norm.argtypes = [pointer, size, pointer, size, pointer, size, size, ctypes.c_float, pointer, pointer,
-                               ctypes.c_int]
-        self._rope = library.rope_f32
-        self._rope.restype = None
-        self._rope.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer, ctypes.c_int]
-        self._store = library.store_kv_f32
-        self._store.restype = None
-        self._store.argtypes = [pointer, size, pointer, size, pointer, size, size, pointer, pointer]
+        norm_arguments = [pointer, size, pointer, size, pointer, size, size, ctypes.c_float, pointer, pointer,
+                          ctypes.c_int]
+        rope_arguments = [pointer, size, size, size, pointer, pointer, size, size, pointer, ctypes.c_int]
+        self._norm = {dtype: _function(library, f"add_rms_norm_{suffix}", norm_arguments)
+                      for dtype, suffix in SUFFIXES.items()}
+        self._rope = {dtype: _function(library, f"rope_{suffix}", rope_arguments) for dtype, suffix in SUFFIXES.items()}
+        self._store = _function(library, "store_kv", [pointer, size, pointer, size, pointer, size, size, pointer,
+                                                      pointer])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """As `torch_elementwise.rms_norm`: (norm(x + residual) * weight, x + residual), x itself with no residual."""
         pair = (x,) if residual is None else (x, residual)
-        if x.dim() != 2 or not _takes(*pair) or not weight.is_contiguous() or not _takes(weight):
+        if x.dim() != 2 or not _takes(*pair, weight) or not weight.is_contiguous():
             return torch_elementwise.rms_norm(x, weight, eps, residual)
         rows, cols = x.shape
-        normed = torch.empty(rows, cols)
-        total = x if residual is None else torch.empty(rows, cols)
-        self._norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+        normed = torch.empty(rows, cols, dtype=x.dtype)
+        total = x if residual is None else torch.empty(rows, cols, dtype=x.dtype)
+        self._norm[x.dtype](x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
                    0 if residual is None else residual.stride(0), weight.data_ptr(), rows, cols, eps,
                    normed.data_ptr(), None if residual is None else total.data_ptr(), torch.get_num_threads())
         return normed, total
@@ -48,16 +51,16 @@ class NativeElementwise:
     def rope(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """As `torch_elementwise.rope`, into new contiguous tensors."""
-        if not (_takes(query, key, cos_sin) and cos_sin.is_contiguous() and positions.dtype == torch.int64
-                and positions.is_contiguous()):
+        if not (_takes(query, key) and _takes(cos_sin, dtype=torch.float32) and cos_sin.is_contiguous()
+                and positions.dtype == torch.int64 and positions.is_contiguous()):
             return torch_elementwise.rope(query, key, positions, cos_sin)
         return self._rotated(query, positions, cos_sin), self._rotated(key, positions, cos_sin)
 
     def _rotated(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
         tokens, heads, width = x.shape
-        out = torch.empty(tokens, heads, width)
-        self._rope(x.data_ptr(), x.stride(0), x.stride(1), heads, positions.data_ptr(), cos_sin.data_ptr(), width,
-                   tokens, out.data_ptr(), torch.get_num_threads())
+        out = torch.empty(tokens, heads, width, dtype=x.dtype)
+        self._rope[x.dtype](x.data_ptr(), x.stride(0), x.stride(1), heads, positions.data_ptr(), cos_sin.data_ptr(),
+                            width, tokens, out.data_ptr(), torch.get_num_threads())
         return out
 
 
@@ -68,8 +71,16 @@ class NativeElementwise:
         if not (_takes(key, value, k_cache, v_cache) and _rows(key) and _rows(value) and k_cache.is_contiguous()
                 and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
             return torch_elementwise.store_kv(key, value, k_cache, v_cache, slot_mapping)
-        self._store(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slot_mapping.data_ptr(), tokens,
-                    heads * dim, k_cache.data_ptr(), v_cache.data_ptr())
+        size = key.element_size()
+        self._store(key.data_ptr(), key.stride(0) * size, value.data_ptr(), value.stride(0) * size,
+                    slot_mapping.data_ptr(), tokens, heads * dim * size, k_cache.data_ptr(), v_cache.data_ptr())
+
+
+def _function(library: ctypes.CDLL, name: str, arguments: list) -> ctypes._CFuncPtr:
+    function = getattr(library, name)
+    function.restype = None
+    function.argtypes = arguments
+    return function
 
 
 def _rows(x: torch.Tensor) -> bool:

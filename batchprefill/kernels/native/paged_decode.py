@@ -12,11 +12,17 @@ member goes on over its own, in the same online softmax. The shared and own halv
 by a log-sum-exp merge in torch, some 25 small ops per layer: 12.4 ms of a 183 ms decode step at 80 decodes in 9
 groups (benchmarks/step_ops.py); one call is 2.3-3.3x the gathered path at 40-450 own tokens (BENCHMARKS.md,
 session 5).
+
+Why tiles: in bfloat16 both walks are matrix-matrix work (a set's rows, or a decode's query heads, against a run of
+keys), and the vector walks widen every key to float32 and spend an FMA per element and row, so bfloat16 attention
+was no faster than float32 (35.8 against 32.3 ms a step at 80 decodes). On a CPU with AMX a bfloat16 model's walks
+run as bfloat16 tile products with float32 sums and a float32 online softmax (the C++ source has the layouts).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,9 +69,21 @@ class PagedDecode:
             function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_void_p,
                                                                                  ctypes.c_int]
             self._functions[dtype] = function
+        self._tiles_run = library.paged_decode_bf16_tiles_run  # bfloat16 queries and outputs, tile walks
+        self._tiles_run.restype = None
+        self._tiles_run.argtypes = function.argtypes
+        self._tiles = library.paged_decode_bf16_tiles
+        self._tiles.restype = ctypes.c_int
+        self._tiles.argtypes = [ctypes.c_int64, ctypes.c_int64]
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._functions
+
+    @functools.cache  # noqa: B019 (one kernel object per process)
+    def uses_tiles(self, block: int, head_dim: int) -> bool:
+        """Whether a bfloat16 model's decodes over a bfloat16 pool of this block and head size run as AMX tile
+        matmuls (the CPU has AMX, Linux granted it, heads a multiple of 32 up to 128, blocks a multiple of 16)."""
+        return bool(self._tiles(block, head_dim))
 
     def plan(self, meta: AttentionMetadata, decodes: list[int], tables: list[list[int]], block: int,
              per_kv: int) -> PagedPlan | None:
@@ -106,9 +124,16 @@ class PagedDecode:
             out: torch.Tensor) -> None:
         _, q_heads, dim = query.shape
         kv_heads = k_cache.shape[2]
-        query = query.to(torch.float32).contiguous()  # held here: the call must not outlive a temporary
-        target = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(query)
-        self._functions[k_cache.dtype](
+        tiles = (query.dtype == k_cache.dtype == out.dtype == torch.bfloat16 and out.is_contiguous()
+                 and self.uses_tiles(k_cache.shape[1], dim))
+        if tiles:  # the flat batch's own bfloat16 rows in and out: 60 us a layer of copies saved at 80 decodes
+            query = query.contiguous()  # held here: the call must not outlive a temporary
+            function, target = self._tiles_run, out
+        else:
+            query = query.to(torch.float32).contiguous()
+            function = self._functions[k_cache.dtype]
+            target = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(query)
+        function(
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             plan.sets.data_ptr(), plan.shared_blocks.data_ptr(), plan.rows.data_ptr(), plan.own_blocks.data_ptr(),
             plan.own_lens.data_ptr(), plan.sets.shape[0], plan.shared_blocks.shape[1], plan.own_blocks.shape[1],

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from batchprefill.intmath import cdiv
 from batchprefill.kernels.experts import torch_experts
 from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.kernels.lora import torch_lora
 from batchprefill.kernels.native import elementwise as native_elementwise
 from batchprefill.kernels.native import paged_decode
 from batchprefill.kernels.native.paged_decode import PagedPlan
@@ -157,4 +158,7 @@ class TorchOps:
 
     def moe(self, hidden, experts, topk_weights, topk_ids):
         return torch_experts(hidden, experts, topk_weights, topk_ids)
+
+    def lora(self, out, x, weights, step):
+        torch_lora(out, x, weights, step)
 

@@ -10,6 +10,7 @@ import triton
 
 from batchprefill.kernels.experts import ExpertWeights
 from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.kernels.lora import LoraStep, LoraWeights
 from batchprefill.kernels.triton import elementwise as triton_elementwise
 from batchprefill.kernels.triton.attention import (
     MAX_SEGMENTS,
@@ -18,6 +19,7 @@ from batchprefill.kernels.triton.attention import (
     interpreting,
     prefill_attention,
 )
+from batchprefill.kernels.triton.lora import segmented_lora
 from batchprefill.kernels.triton.moe import fused_experts
 
 ALIGN = 4  # int32 entries: the decode rows start 16 bytes aligned inside the step's plan tensor
@@ -77,6 +79,9 @@ class TritonOps:
     def moe(self, hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
             ) -> torch.Tensor:
         return fused_experts(hidden, experts, topk_weights, topk_ids)
+
+    def lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, step: LoraStep) -> None:
+        segmented_lora(out, x, weights, step)
 
     def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from batchprefill.kernels.interface import Ops
 from batchprefill.kernels.linear import Linear
+from batchprefill.kernels.lora import LoraHook
 from batchprefill.model.config import ModelConfig
 
 Weights = dict[str, torch.Tensor]
@@ -55,10 +56,19 @@ class GatedMLP:
         self.down = down
         self.activation = ACTIVATIONS[activation]
 
-    def __call__(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        """`ops` goes unused: plain linear layers need no backend kernel."""
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(self.activation(gate) * up)
+    def __call__(self, x: torch.Tensor, ops: Ops, lora: LoraHook | None = None) -> torch.Tensor:
+        """`ops` goes unused: plain linear layers need no backend kernel. `lora` adds the step's adapter deltas
+        to gate_up's and down's outputs (model/adapters.py)."""
+        if lora is None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(self.activation(gate) * up)
+        gate_up = self.gate_up(x)
+        lora("gate_up", gate_up, x)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = self.activation(gate) * up
+        out = self.down(act)
+        lora("down", out, act)
+        return out
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,20 @@
 // The CPU path's per-token ops, each one pass over its rows: RMSNorm with the residual add folded in,
-// rotate-half RoPE, and the new keys and values written into the paged pool.
+// rotate-half RoPE, and the new keys and values written into the paged pool; for float32 and bfloat16 tensors.
 //
 // Why: in a decode step these run between matmuls that stream the weights through the caches, so their
 // tensors are cold, and torch runs RMSNorm as seven ops and RoPE as about ten, each writing a fresh output to
 // cold memory. Here each row is read once and written once: at 80 decodes (SmolLM2-135M, float32,
 // benchmarks/step_ops.py) RMSNorm, RoPE and the KV store took 4.5, 1.9 and 1.5 ms of a decode step against
-// 7.7, 5.7 and 3.1 ms as torch ops (BENCHMARKS.md, session 5).
+// 7.7, 5.7 and 3.1 ms as torch ops (BENCHMARKS.md, session 5). In bfloat16 the torch ops are worse than in
+// float32 (each widens its whole tensor to float32 and rounds it back: 6.4 ms RMSNorm and 4.6 ms RoPE a step);
+// here a bfloat16 row is widened in registers, computed in float32 as the torch ops do, and rounded once.
 //
 // A step of a few hundred rows runs on the calling thread (too little work to split); long prefill chunks are
 // split across threads.
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -16,71 +22,181 @@
 
 namespace {
 constexpr int64_t kParallelRows = 512;
+
+inline float widen(float x) { return x; }
+
+inline float widen(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
 }
 
-extern "C" {
+// float32 to bfloat16 as torch rounds: to nearest, ties to even, a NaN stays a NaN.
+inline void narrow(float x, float* target) { *target = x; }
+
+inline void narrow(float x, uint16_t* target) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  *target = static_cast<uint16_t>(std::isnan(x) ? 0x7FC0u : rounded);
+}
 
 // sum = x + residual (when residual is given; rows of x and residual may be strided), normed = sum *
-// rsqrt(mean(sum^2) + eps) * weight; float32 [rows, cols], outputs contiguous.
-void add_rms_norm_f32(const float* x, int64_t x_stride, const float* residual, int64_t residual_stride,
-                      const float* weight, int64_t rows, int64_t cols, float eps, float* normed, float* sum,
-                      int threads) {
+// rsqrt(mean(sum^2) + eps) * weight; [rows, cols], outputs contiguous. The sum is rounded to the element type
+// before its squares are taken, as the torch ops round x + residual.
+template <typename T>
+void add_rms_norm(const T* x, int64_t x_stride, const T* residual, int64_t residual_stride, const T* weight,
+                  int64_t rows, int64_t cols, float eps, T* normed, T* sum, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows >= kParallelRows)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* source = x + r * x_stride;
-    float* total = residual != nullptr ? sum + r * cols : nullptr;
+    const T* source = x + r * x_stride;
+    T* total = residual != nullptr ? sum + r * cols : nullptr;
     float squares = 0.0f;
     if (total != nullptr) {
-      const float* add = residual + r * residual_stride;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t c = 0; c < cols; ++c) {
-        total[c] = source[c] + add[c];
-        squares += total[c] * total[c];
-      }
-      source = total;
-    } else {
-#pragma omp simd reduction(+ : squares)
-      for (int64_t c = 0; c < cols; ++c) squares += source[c] * source[c];
-    }
-    const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(cols) + eps);
-    float* target = normed + r * cols;
+      const T* add = residual + r * residual_stride;
 #pragma omp simd
-    for (int64_t c = 0; c < cols; ++c) target[c] = source[c] * inverse * weight[c];
+      for (int64_t c = 0; c < cols; ++c) narrow(widen(source[c]) + widen(add[c]), &total[c]);
+      source = total;
+    }
+#pragma omp simd reduction(+ : squares)
+    for (int64_t c = 0; c < cols; ++c) squares += widen(source[c]) * widen(source[c]);
+    const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(cols) + eps);
+    T* target = normed + r * cols;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) narrow(widen(source[c]) * inverse * widen(weight[c]), &target[c]);
   }
 }
 
 // Rotate-half RoPE of one tensor's heads [tokens, heads, width] (token and head strides given, the last
-// dimension contiguous) into a contiguous [tokens, heads, width]: with cos and sin from the table row of the
-// token's position ([positions, width]: cos then sin, width / 2 each), the first half becomes
+// dimension contiguous) into a contiguous [tokens, heads, width]: with cos and sin from the float32 table row of
+// the token's position ([positions, width]: cos then sin, width / 2 each), the first half becomes
 // x1 * cos - x2 * sin and the second x2 * cos + x1 * sin.
-void rope_f32(const float* x, int64_t token_stride, int64_t head_stride, int64_t heads, const int64_t* positions,
-              const float* table, int64_t width, int64_t tokens, float* out, int threads) {
+template <typename T>
+void rope(const T* x, int64_t token_stride, int64_t head_stride, int64_t heads, const int64_t* positions,
+          const float* table, int64_t width, int64_t tokens, T* out, int threads) {
   const int64_t half = width / 2;
 #pragma omp parallel for num_threads(threads) if (tokens >= kParallelRows)
   for (int64_t t = 0; t < tokens; ++t) {
     const float* cos = table + positions[t] * width;
     const float* sin = cos + half;
     for (int64_t h = 0; h < heads; ++h) {
-      const float* first = x + t * token_stride + h * head_stride;
-      const float* second = first + half;
-      float* target = out + (t * heads + h) * width;
+      const T* first = x + t * token_stride + h * head_stride;
+      const T* second = first + half;
+      T* target = out + (t * heads + h) * width;
 #pragma omp simd
       for (int64_t d = 0; d < half; ++d) {
-        target[d] = first[d] * cos[d] - second[d] * sin[d];
-        target[half + d] = second[d] * cos[d] + first[d] * sin[d];
+        const float a = widen(first[d]), b = widen(second[d]);
+        narrow(a * cos[d] - b * sin[d], &target[d]);
+        narrow(b * cos[d] + a * sin[d], &target[half + d]);
       }
     }
   }
 }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// bfloat16 rows 16 at a time in the vector registers: the scalar widen/narrow above do not vectorize (the
+// rounding's NaN test and the bit copies stop the compiler), which made the bfloat16 RMSNorm 1.5x the float32 one.
+// VCVTNEPS2BF16 rounds to nearest even like torch; a NaN stays a NaN.
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
 
-// Each token's key and value row ([kv_heads * dim] floats, rows strided) into its pool slot; a negative slot
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+inline void store16(uint16_t* p, __mmask16 m, __m512 x) {
+  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+}
+
+template <>
+void add_rms_norm<uint16_t>(const uint16_t* x, int64_t x_stride, const uint16_t* residual, int64_t residual_stride,
+                            const uint16_t* weight, int64_t rows, int64_t cols, float eps, uint16_t* normed,
+                            uint16_t* sum, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows >= kParallelRows)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* source = x + r * x_stride;
+    __m512 squares = _mm512_setzero_ps();
+    if (residual != nullptr) {
+      const uint16_t* add = residual + r * residual_stride;
+      uint16_t* total = sum + r * cols;
+      for (int64_t c = 0; c < cols; c += 16) {
+        const __mmask16 m = lanes(cols - c);
+        store16(total + c, m, _mm512_add_ps(load16(source + c, m), load16(add + c, m)));
+        const __m512 rounded = load16(total + c, m);  // the squares of the sum as stored, as torch takes them
+        squares = _mm512_fmadd_ps(rounded, rounded, squares);
+      }
+      source = total;
+    } else {
+      for (int64_t c = 0; c < cols; c += 16) {
+        const __m512 value = load16(source + c, lanes(cols - c));
+        squares = _mm512_fmadd_ps(value, value, squares);
+      }
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / cols + eps));
+    uint16_t* target = normed + r * cols;
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 m = lanes(cols - c);
+      store16(target + c, m, _mm512_mul_ps(_mm512_mul_ps(load16(source + c, m), inverse), load16(weight + c, m)));
+    }
+  }
+}
+
+template <>
+void rope<uint16_t>(const uint16_t* x, int64_t token_stride, int64_t head_stride, int64_t heads,
+                    const int64_t* positions, const float* table, int64_t width, int64_t tokens, uint16_t* out,
+                    int threads) {
+  const int64_t half = width / 2;
+#pragma omp parallel for num_threads(threads) if (tokens >= kParallelRows)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* cos = table + positions[t] * width;
+    const float* sin = cos + half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* first = x + t * token_stride + h * head_stride;
+      uint16_t* target = out + (t * heads + h) * width;
+      for (int64_t d = 0; d < half; d += 16) {
+        const __mmask16 m = lanes(half - d);
+        const __m512 a = load16(first + d, m), b = load16(first + half + d, m);
+        const __m512 c = _mm512_maskz_loadu_ps(m, cos + d), s = _mm512_maskz_loadu_ps(m, sin + d);
+        store16(target + d, m, _mm512_fmsub_ps(a, c, _mm512_mul_ps(b, s)));
+        store16(target + half + d, m, _mm512_fmadd_ps(b, c, _mm512_mul_ps(a, s)));
+      }
+    }
+  }
+}
+#endif
+}  // namespace
+
+extern "C" {
+
+void add_rms_norm_f32(const float* x, int64_t x_stride, const float* residual, int64_t residual_stride,
+                      const float* weight, int64_t rows, int64_t cols, float eps, float* normed, float* sum,
+                      int threads) {
+  add_rms_norm(x, x_stride, residual, residual_stride, weight, rows, cols, eps, normed, sum, threads);
+}
+
+void add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* residual, int64_t residual_stride,
+                       const uint16_t* weight, int64_t rows, int64_t cols, float eps, uint16_t* normed, uint16_t* sum,
+                       int threads) {
+  add_rms_norm(x, x_stride, residual, residual_stride, weight, rows, cols, eps, normed, sum, threads);
+}
+
+void rope_f32(const float* x, int64_t token_stride, int64_t head_stride, int64_t heads, const int64_t* positions,
+              const float* table, int64_t width, int64_t tokens, float* out, int threads) {
+  rope(x, token_stride, head_stride, heads, positions, table, width, tokens, out, threads);
+}
+
+void rope_bf16(const uint16_t* x, int64_t token_stride, int64_t head_stride, int64_t heads, const int64_t* positions,
+               const float* table, int64_t width, int64_t tokens, uint16_t* out, int threads) {
+  rope(x, token_stride, head_stride, heads, positions, table, width, tokens, out, threads);
+}
+
+// Each token's key and value row (`row_bytes`, rows `stride` bytes apart) into its pool slot; a negative slot
 // (a padding row) is skipped. torch did this as a mask test that synchronises, then two index copies.
-void store_kv_f32(const float* key, int64_t key_stride, const float* value, int64_t value_stride,
-                  const int64_t* slots, int64_t tokens, int64_t width, float* k_cache, float* v_cache) {
+void store_kv(const char* key, int64_t key_stride, const char* value, int64_t value_stride, const int64_t* slots,
+              int64_t tokens, int64_t row_bytes, char* k_cache, char* v_cache) {
   for (int64_t t = 0; t < tokens; ++t) {
     if (slots[t] < 0) continue;
-    std::memcpy(k_cache + slots[t] * width, key + t * key_stride, width * 4);
-    std::memcpy(v_cache + slots[t] * width, value + t * value_stride, width * 4);
+    std::memcpy(k_cache + slots[t] * row_bytes, key + t * key_stride, row_bytes);
+    std::memcpy(v_cache + slots[t] * row_bytes, value + t * value_stride, row_bytes);
   }
 }
 }

@@ -21,6 +21,8 @@
 //   own_blocks     [decodes, own_width] int64 block ids after the shared ones; own_lens [decodes] their tokens
 
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -519,6 +521,415 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
   }
 }
 
+// ---- bfloat16 pools on CPUs with AMX: both walks as tile matmuls -------------------------------------------
+//
+// A set's rows over its shared prefix, and a decode's query heads over its own blocks, are matrix-matrix work
+// (Hydragen's observation): [rows x dim] queries against [tokens x dim] keys, then the softmax weights against
+// the values. On a CPU with AMX each product is a bfloat16 tile multiply with float32 sums (TDPBF16PS: 16 x 16
+// outputs over 32 products in one instruction), where the walks above spend a broadcast and an FMA on every
+// key element for every 16 rows; the softmax stays float32 in the vector registers. Tokens go 32 at a time (one
+// tile's depth for the weights-times-values product), as two 16-token slices of the pool's blocks.
+//
+// Layouts, all tiles 16 rows of 64 bytes:
+// - scores are computed transposed, S^T = K Q^T: the keys are the A operand straight from the pool (16 tokens of
+//   one head, the token stride as the tile's stride), the queries the B operand, packed once per walk as pairs of
+//   adjacent dimensions ([dim / 32][16 dim pairs][16 rows] of 2 x bfloat16). S^T lands as [token][row], so the
+//   online softmax runs across 16 rows per vector register, as walk_many's does;
+// - the weights, rounded to bfloat16 (as GPU flash attention does), are the A operand of P V: [16 rows][16 token
+//   pairs], turned from [token][row] by pairing two tokens' rows and a 16 x 16 transpose of 32-bit pairs;
+// - the values are the B operand, [dim / 16][16 token pairs][16 dims] of 2 x bfloat16, built once per chunk and
+//   head for every row tile.
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kTiles = true;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a process the AMX register state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); where it refuses, the bfloat16 pool takes the vector walks.
+bool tiles_permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+void configure_tiles() {
+  TileConfig config;
+  for (int i = 0; i < 8; ++i) {
+    config.bytes_per_row[i] = 64;
+    config.rows[i] = 16;
+  }
+  // GCC 12 does not count the load as a read of `config` and drops the stores above without this barrier
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+// [16][16] 32-bit elements transposed in registers: four rounds of unpacks and lane shuffles.
+inline void transpose_16x16(const uint32_t* source, uint32_t* target) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(source + 16 * i);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(target + 16 * i, r[i]);  // r[i] is column i
+}
+
+// Tokens per chunk of a walk: one softmax update, and one store of the weights-times-values sums, per chunk and
+// row tile. At 32 tokens (one tile's depth) those stores and updates cost more than the tile products.
+constexpr int64_t kChunk = 128;
+
+struct TileScratch {
+  std::vector<uint32_t> queries;  // [row tiles][dim / 32][16 dim pairs][16 rows] query pairs
+  std::vector<uint32_t> values;   // [kChunk / 32][dim / 16][16 token pairs][16 dims] value pairs of a chunk
+  std::vector<uint32_t> pairs;    // [16 token pairs][16 rows] weight pairs
+  std::vector<uint32_t> weights;  // [kChunk / 32][16 rows][16 token pairs] the same, by row
+  std::vector<float> scores;      // [kChunk tokens][16 rows]
+  std::vector<float> products;    // [16 rows][dim]
+};
+
+// exp(x) for x <= 0 in about half the instructions of exp_nonpositive: 2^(x log2 e) as 2^n (scalef) times a
+// degree-5 polynomial of 2^f on [-0.5, 0.5] (relative error about 3e-6). The softmax weights it makes are rounded
+// to bfloat16 (2^-9) for the tile product anyway; in the walks over a decode's own blocks, where 3 of a tile's 16
+// rows are real, the exponentials were a third of the time.
+inline __m512 exp_weights(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Rows `row_of(r)` (each `dim` bfloat16 values) packed as the B operand of S^T = K Q^T, tile by tile of 16 rows.
+template <typename RowOf>
+void pack_queries(RowOf row_of, int64_t n, int64_t dim, uint32_t* packed) {
+  const int64_t tiles = (n + 15) / 16, depth = dim / 32;
+  std::fill(packed, packed + tiles * depth * 256, 0u);
+  for (int64_t r = 0; r < n; ++r) {
+    const uint16_t* q = row_of(r);
+    uint32_t* tile = packed + (r / 16) * depth * 256 + r % 16;
+    for (int64_t d = 0; d < dim; d += 2)
+      tile[(d / 32) * 256 + ((d % 32) / 2) * 16] = q[d] | static_cast<uint32_t>(q[d + 1]) << 16;
+  }
+}
+
+// Tile register numbers are immediates: the i-th query tile is register 2 + i, the i-th output tile 2 + i.
+inline void load_query_tile(int64_t i, const uint32_t* source) {
+  switch (i) {
+    case 0: _tile_loadd(2, source, 64); break;
+    case 1: _tile_loadd(3, source, 64); break;
+    case 2: _tile_loadd(4, source, 64); break;
+    default: _tile_loadd(5, source, 64);
+  }
+}
+
+inline void score_product(int64_t i) {  // tmm0 += tmm1 (keys) x query tile i
+  switch (i) {
+    case 0: _tile_dpbf16ps(0, 1, 2); break;
+    case 1: _tile_dpbf16ps(0, 1, 3); break;
+    case 2: _tile_dpbf16ps(0, 1, 4); break;
+    default: _tile_dpbf16ps(0, 1, 5);
+  }
+}
+
+inline void value_product(int64_t i) {  // output tile i += tmm0 (weights) x tmm1 (values)
+  switch (i) {
+    case 0: _tile_dpbf16ps(2, 0, 1); break;
+    case 1: _tile_dpbf16ps(3, 0, 1); break;
+    case 2: _tile_dpbf16ps(4, 0, 1); break;
+    default: _tile_dpbf16ps(5, 0, 1);
+  }
+}
+
+inline void zero_and_store_output(int64_t i, float* target, int64_t stride, bool store) {
+  switch (i) {
+    case 0: if (store) _tile_stored(2, target, stride); else _tile_zero(2); break;
+    case 1: if (store) _tile_stored(3, target, stride); else _tile_zero(3); break;
+    case 2: if (store) _tile_stored(4, target, stride); else _tile_zero(4); break;
+    default: if (store) _tile_stored(5, target, stride); else _tile_zero(5);
+  }
+}
+
+// n rows per KV head (packed by pack_queries, [heads][tiles][...]) over `length` tokens of `blocks`, continuing their
+// online softmax: maxes and sums [heads][tiles * 16], acc [heads][n][dim] (unnormalized). Every head of a chunk is
+// walked before the next chunk, whose blocks are requested meanwhile: a block holds all heads' rows of its tokens
+// (6 KB at SmolLM2's 3 KV heads), and walking one head at a time over every block read each block three times in
+// scattered thirds. Heads up to 128 wide (four query tiles).
+void walk_tiles(const uint32_t* packed, int64_t n, const Pool<uint16_t>& pool, const int64_t* blocks, int64_t length,
+                float scale, TileScratch& s, float* maxes, float* sums, float* acc) {
+  const int64_t dim = pool.dim, depth = dim / 32, tiles = (n + 15) / 16, dim_tiles = dim / 16;
+  const int64_t stride = pool.token_stride * 2;  // bytes between a head's tokens
+  // 16-bit lanes (a0 b0 a1 b1 ... a15 b15) and (a16 b16 ... a31 b31) of two 32-lane vectors; and the two halves
+  // of one vector interleaved
+  alignas(64) uint16_t low[32], high[32], interleave[32];
+  for (int i = 0; i < 16; ++i) {
+    low[2 * i] = i, low[2 * i + 1] = 32 + i;
+    high[2 * i] = 16 + i, high[2 * i + 1] = 48 + i;
+    interleave[2 * i] = i, interleave[2 * i + 1] = 16 + i;
+  }
+  const __m512i low_index = _mm512_load_si512(low), high_index = _mm512_load_si512(high);
+  const __m512i pair_index = _mm512_load_si512(interleave);
+  const __m512 scaling = _mm512_set1_ps(scale);
+  float* scores = s.scores.data();
+  float* products = s.products.data();
+  uint32_t* packed_values = s.values.data();
+  for (int64_t start = 0; start < length; start += kChunk) {
+    const int64_t count = std::min(kChunk, length - start);
+    const int64_t slices = (count + 15) / 16, groups = (count + 31) / 32;
+    int64_t slice_offsets[kChunk / 16];
+    for (int64_t i = 0; i < slices; ++i) {
+      const int64_t token = start + 16 * i;
+      slice_offsets[i] = blocks[token / pool.block] * pool.block_stride + (token % pool.block) * pool.token_stride;
+    }
+    // the next chunk's blocks, requested now: blocks lie anywhere in the pool, so each is a fresh stream the
+    // hardware prefetcher would pick up late, and the walks over a step's 30 layers read their pools from memory
+    for (int64_t token = start + kChunk; token < std::min(length, start + 2 * kChunk); token += pool.block)
+      prefetch(pool.k_cache, pool.v_cache, blocks[token / pool.block] * pool.block_stride,
+               std::min(pool.block, length - token) * pool.token_stride);
+    for (int64_t head = 0; head < pool.heads; ++head) {
+      const uint16_t* keys[kChunk / 16];
+      const uint16_t* values[kChunk / 16];
+      for (int64_t i = 0; i < slices; ++i) {
+        keys[i] = pool.k_cache + slice_offsets[i] + head * dim;
+        values[i] = pool.v_cache + slice_offsets[i] + head * dim;
+      }
+      for (int64_t p = 0; p < 16 * groups; ++p) {
+        const int64_t first = 2 * p;
+        uint32_t* group = packed_values + (p / 16) * dim_tiles * 256 + (p % 16) * 16;
+        for (int64_t d = 0; d < dim; d += 32) {
+          __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+          if (first < count) a = _mm512_loadu_si512(values[first / 16] + (first % 16) * pool.token_stride + d);
+          if (first + 1 < count) b = _mm512_loadu_si512(values[first / 16] + (first % 16 + 1) * pool.token_stride + d);
+          _mm512_storeu_si512(group + (d / 16) * 256, _mm512_permutex2var_epi16(a, low_index, b));
+          _mm512_storeu_si512(group + (d / 16 + 1) * 256, _mm512_permutex2var_epi16(a, high_index, b));
+        }
+      }
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const uint32_t* queries = packed + (head * tiles + tile) * depth * 256;
+        for (int64_t k = 0; k < depth; ++k) load_query_tile(k, queries + k * 256);
+        for (int64_t i = 0; i < slices; ++i) {
+          _tile_zero(0);
+          for (int64_t k = 0; k < depth; ++k) {
+            _tile_loadd(1, keys[i] + 32 * k, stride);
+            score_product(k);
+          }
+          _tile_stored(0, scores + 256 * i, 64);
+        }
+        float* tile_max = maxes + 16 * (head * tiles + tile);
+        float* tile_sum = sums + 16 * (head * tiles + tile);
+        const __m512 previous = _mm512_loadu_ps(tile_max);
+        __m512 highest = _mm512_set1_ps(-FLT_MAX);  // of the raw products; the scale is positive
+        for (int64_t t = 0; t < count; ++t) highest = _mm512_max_ps(highest, _mm512_loadu_ps(scores + 16 * t));
+        const __m512 running = _mm512_max_ps(previous, _mm512_mul_ps(highest, scaling));
+        __m512 added = _mm512_setzero_ps();
+        for (int64_t t = 0; t < 32 * groups; ++t) {
+          __m512 weight = _mm512_setzero_ps();
+          if (t < count) {
+            weight = exp_weights(_mm512_fmsub_ps(_mm512_loadu_ps(scores + 16 * t), scaling, running));
+            added = _mm512_add_ps(added, weight);
+          }
+          _mm512_storeu_ps(scores + 16 * t, weight);
+        }
+        const __m512 rescale = exp_weights(_mm512_sub_ps(previous, running));
+        _mm512_storeu_ps(tile_max, running);
+        _mm512_storeu_ps(tile_sum, _mm512_fmadd_ps(_mm512_loadu_ps(tile_sum), rescale, added));
+        uint32_t* pairs = s.pairs.data();
+        for (int64_t g = 0; g < groups; ++g) {
+          for (int64_t p = 0; p < 16; ++p) {
+            const float* two_tokens = scores + 16 * (32 * g + 2 * p);
+            const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(two_tokens + 16), _mm512_loadu_ps(two_tokens));
+            _mm512_storeu_si512(pairs + 16 * p, _mm512_permutexvar_epi16(pair_index, reinterpret_cast<__m512i>(both)));
+          }
+          transpose_16x16(pairs, s.weights.data() + 256 * g);
+        }
+        for (int64_t first = 0; first < dim_tiles; first += 4) {  // four output tiles at a time
+          const int64_t span = std::min<int64_t>(4, dim_tiles - first);
+          for (int64_t j = 0; j < span; ++j) zero_and_store_output(j, nullptr, 0, false);
+          for (int64_t g = 0; g < groups; ++g) {
+            _tile_loadd(0, s.weights.data() + 256 * g, 64);
+            for (int64_t j = 0; j < span; ++j) {
+              _tile_loadd(1, packed_values + (g * dim_tiles + first + j) * 256, 64);
+              value_product(j);
+            }
+          }
+          for (int64_t j = 0; j < span; ++j) zero_and_store_output(j, products + 16 * (first + j), dim * 4, true);
+        }
+        alignas(64) float factors[16];
+        _mm512_store_ps(factors, rescale);
+        const int64_t real = std::min<int64_t>(16, n - 16 * tile);
+        for (int64_t r = 0; r < real; ++r) {
+          const __m512 factor = _mm512_set1_ps(factors[r]);
+          float* row = acc + (head * n + 16 * tile + r) * dim;
+          for (int64_t d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(row + d, _mm512_fmadd_ps(_mm512_loadu_ps(row + d), factor,
+                                                      _mm512_loadu_ps(products + r * dim + d)));
+        }
+      }
+    }
+  }
+}
+
+// The first chunk of a walk over `blocks`, requested before the walk ahead of it starts: most own walks are one
+// chunk long, so the prefetch inside a walk never covers them.
+inline void prefetch_walk(const Pool<uint16_t>& pool, const int64_t* blocks, int64_t length) {
+  for (int64_t token = 0; token < std::min(length, kChunk); token += pool.block)
+    prefetch(pool.k_cache, pool.v_cache, blocks[token / pool.block] * pool.block_stride,
+             std::min(pool.block, length - token) * pool.token_stride);
+}
+
+// A decode's own walk shorter than this runs the vector walk: a tile walk's chain of products, stores and loads
+// has a fixed latency that a short walk does not repay (81 own walks of one token: 0.26 ms a layer as tiles, 0.10 ms
+// as vectors; at 32 tokens level, at 64 tokens the tiles are 1.13x faster, at 128 1.16x).
+constexpr int64_t kTileTokens = 40;
+
+// decode_sets for a bfloat16 pool, each walk as tile matmuls (the same two phases and carried state).
+void decode_sets_tiles(const uint16_t* query, const Pool<uint16_t>& pool, const Plan& plan, float scale,
+                       uint16_t* out, int threads) {
+  const int64_t* sets = plan.sets;
+  const int64_t* rows = plan.rows;
+  const int64_t num_sets = plan.num_sets, per_kv = plan.per_kv;
+  const int64_t kv_heads = pool.heads, dim = pool.dim;
+  const int64_t q_heads = kv_heads * per_kv, row_stride = q_heads * dim;
+  int64_t decodes = 0, most = per_kv;
+  for (int64_t set = 0; set < num_sets; ++set) {
+    decodes += sets[3 * set + 1];
+    most = std::max(most, sets[3 * set + 1] * per_kv);
+  }
+  const int64_t padded = (most + 15) / 16 * 16;
+  std::vector<float> carried(2 * decodes * q_heads);
+  std::vector<char> continues(decodes, 0);
+  // each decode's float32 sums between the walks ([decodes][q_heads][dim]); the bfloat16 output is written once
+  std::vector<float> staged(decodes * row_stride);
+#pragma omp parallel num_threads(threads)
+  {
+    configure_tiles();
+    TileScratch s;
+    s.queries.resize(kv_heads * padded * dim / 2);
+    s.values.resize(kChunk / 32 * dim * 16);
+    s.pairs.resize(256);
+    s.weights.resize(kChunk / 32 * 256);
+    s.scores.resize(kChunk * 16);
+    s.products.resize(16 * dim);
+    std::vector<float> maxes(kv_heads * padded), sums(kv_heads * padded), acc(kv_heads * padded * dim);
+    Scratch vector;  // the vector walk's buffers, for short own walks
+    vector.keys.resize(pool.block * pool.token_stride);
+    vector.values.resize(pool.block * pool.token_stride);
+    vector.scores.resize(q_heads * pool.block);
+    vector.rows.resize(row_stride);
+    std::vector<float> few_maxes(q_heads), few_sums(q_heads);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t set = 0; set < num_sets; ++set) {
+      const int64_t first = sets[3 * set], members = sets[3 * set + 1], shared = sets[3 * set + 2];
+      if (shared == 0) continue;
+      const int64_t n = members * per_kv, width = (n + 15) / 16 * 16;  // rows per head, and padded to tiles
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const auto row_of = [&](int64_t r) {
+          return query + rows[first + r / per_kv] * row_stride + (h * per_kv + r % per_kv) * dim;
+        };
+        pack_queries(row_of, n, dim, s.queries.data() + h * width * dim / 2);
+      }
+      std::fill(maxes.begin(), maxes.end(), -FLT_MAX);
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      std::fill(acc.begin(), acc.begin() + kv_heads * n * dim, 0.0f);
+      if (set + threads < num_sets)  // the set this thread is likely to take next
+        prefetch_walk(pool, plan.shared_blocks + (set + threads) * plan.shared_width, sets[3 * (set + threads) + 2]);
+      walk_tiles(s.queries.data(), n, pool, plan.shared_blocks + set * plan.shared_width, shared, scale, s,
+                 maxes.data(), sums.data(), acc.data());
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t decode = first + r / per_kv, q = h * per_kv + r % per_kv;
+          continues[decode] = 1;
+          carried[2 * (decode * q_heads + q)] = maxes[h * width + r];
+          carried[2 * (decode * q_heads + q) + 1] = sums[h * width + r];
+          std::memcpy(staged.data() + decode * row_stride + q * dim, acc.data() + (h * n + r) * dim, dim * 4);
+        }
+      }
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t decode = 0; decode < decodes; ++decode) {
+      float* target = staged.data() + decode * row_stride;  // [kv heads][per_kv][dim]: the walk's acc layout
+      const uint16_t* source = query + rows[decode] * row_stride;
+      const int64_t width = (per_kv + 15) / 16 * 16;
+      if (!continues[decode]) std::fill(target, target + row_stride, 0.0f);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t r = 0; r < per_kv; ++r) {
+          const int64_t q = h * per_kv + r;
+          maxes[h * width + r] = continues[decode] ? carried[2 * (decode * q_heads + q)] : -FLT_MAX;
+          sums[h * width + r] = continues[decode] ? carried[2 * (decode * q_heads + q) + 1] : 0.0f;
+        }
+        pack_queries([&](int64_t r) { return source + (h * per_kv + r) * dim; }, per_kv, dim,
+                     s.queries.data() + h * width * dim / 2);
+      }
+      if (decode + threads < decodes)  // the decode this thread is likely to take next
+        prefetch_walk(pool, plan.own_blocks + (decode + threads) * plan.own_width, plan.own_lens[decode + threads]);
+      const int64_t length = plan.own_lens[decode];
+      if (length < kTileTokens) {  // short: the vector walk, in float32 on widened keys and values
+        for (int64_t h = 0; h < kv_heads; ++h)
+          for (int64_t r = 0; r < per_kv; ++r) {
+            few_maxes[h * per_kv + r] = maxes[h * width + r];
+            few_sums[h * per_kv + r] = sums[h * width + r];
+          }
+        widen(source, vector.rows.data(), row_stride);
+        for (int64_t i = 0; i < row_stride; ++i) vector.rows[i] *= scale;
+        walk_few<true>(vector.rows.data(), per_kv, pool, plan.own_blocks + decode * plan.own_width, length, vector,
+                       few_maxes.data(), few_sums.data(), target);
+        for (int64_t h = 0; h < kv_heads; ++h)
+          for (int64_t r = 0; r < per_kv; ++r) sums[h * width + r] = few_sums[h * per_kv + r];
+      } else {
+        walk_tiles(s.queries.data(), per_kv, pool, plan.own_blocks + decode * plan.own_width, length, scale, s,
+                   maxes.data(), sums.data(), target);
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t r = 0; r < per_kv; ++r) {
+          const float total = sums[h * width + r];
+          const float inverse = total > 0.0f ? 1.0f / total : 0.0f;  // a row that read no token gets zeros
+          const float* row = target + (h * per_kv + r) * dim;
+          uint16_t* written = out + rows[decode] * row_stride + (h * per_kv + r) * dim;
+          for (int64_t d = 0; d < dim; d += 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(written + d), reinterpret_cast<__m256i>(
+                                    _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + d), _mm512_set1_ps(inverse)))));
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+#else
+constexpr bool kTiles = false;
+bool tiles_permitted() { return false; }
+void decode_sets_tiles(const uint16_t*, const Pool<uint16_t>&, const Plan&, float, uint16_t*, int) {}
+#endif
+
+// Whether a bfloat16 pool of this shape walks as tile matmuls: AMX built in and granted, heads a multiple of 32
+// wide up to 128, blocks a multiple of 16 tokens.
+bool takes_tiles(int64_t block, int64_t dim) {
+  return kTiles && dim % 32 == 0 && dim <= 128 && block % 16 == 0 && tiles_permitted();
+}
+
 template <typename Cache>
 void run(const float* query, const Cache* k_cache, const Cache* v_cache, const Plan& plan, int64_t block,
          int64_t kv_heads, int64_t dim, float scale, float* out, int threads) {
@@ -552,4 +963,20 @@ void paged_decode_bf16(const float* query, const uint16_t* k_cache, const uint16
   const Plan plan{sets, shared_blocks, rows, own_blocks, own_lens, num_sets, shared_width, own_width, per_kv};
   run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads);
 }
+
+// A bfloat16 model over a bfloat16 pool where takes_tiles holds: queries and outputs in bfloat16 (the flat batch's
+// own tensors, no float32 copies), the walks as tile matmuls. A float32 model over a bfloat16 pool takes
+// paged_decode_bf16, whose float32 walks do not round its queries.
+void paged_decode_bf16_tiles_run(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_cache,
+                                 const int64_t* sets, const int64_t* shared_blocks, const int64_t* rows,
+                                 const int64_t* own_blocks, const int64_t* own_lens, int64_t num_sets,
+                                 int64_t shared_width, int64_t own_width, int64_t block, int64_t kv_heads,
+                                 int64_t per_kv, int64_t dim, float scale, uint16_t* out, int threads) {
+  const Plan plan{sets, shared_blocks, rows, own_blocks, own_lens, num_sets, shared_width, own_width, per_kv};
+  const Pool<uint16_t> pool{k_cache, v_cache, block, kv_heads, dim, kv_heads * dim, block * kv_heads * dim};
+  decode_sets_tiles(query, pool, plan, scale, out, threads);
+}
+
+// 1 where a bfloat16 pool of this block size and head size runs the tile walks (what the run's summary reports).
+int paged_decode_bf16_tiles(int64_t block, int64_t dim) { return takes_tiles(block, dim) ? 1 : 0; }
 }
