@@ -68,31 +68,6 @@ void add_rms_norm(const T* x, int64_t x_stride, const T* residual, int64_t resid
   }
 }
 
-// Rotate-half RoPE of one tensor's heads [tokens, heads, width] (token and head strides given, the last
-// dimension contiguous) into a contiguous [tokens, heads, width]: with cos and sin from the float32 table row of
-// the token's position ([positions, width]: cos then sin, width / 2 each), the first half becomes
-// x1 * cos - x2 * sin and the second x2 * cos + x1 * sin.
-template <typename T>
-void rope(const T* x, int64_t token_stride, int64_t head_stride, int64_t heads, const int64_t* positions,
-          const float* table, int64_t width, int64_t tokens, T* out, int threads) {
-  const int64_t half = width / 2;
-#pragma omp parallel for num_threads(threads) if (tokens >= kParallelRows)
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* cos = table + positions[t] * width;
-    const float* sin = cos + half;
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* first = x + t * token_stride + h * head_stride;
-      const T* second = first + half;
-      T* target = out + (t * heads + h) * width;
-#pragma omp simd
-      for (int64_t d = 0; d < half; ++d) {
-        const float a = widen(first[d]), b = widen(second[d]);
-        narrow(a * cos[d] - b * sin[d], &target[d]);
-        narrow(b * cos[d] + a * sin[d], &target[half + d]);
-      }
-    }
-  }
-}
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // bfloat16 rows 16 at a time in the vector registers: the scalar widen/narrow above do not vectorize (the
 // rounding's NaN test and the bit copies stop the compiler), which made the bfloat16 RMSNorm 1.5x the float32 one.
@@ -106,7 +81,50 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {
 inline void store16(uint16_t* p, __mmask16 m, __m512 x) {
   _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
 }
+#endif
 
+// One head: the first half becomes x1 * cos - x2 * sin, the second x2 * cos + x1 * sin.
+template <typename T>
+inline void rotate(const T* first, const float* cos, const float* sin, int64_t half, T* target) {
+  const T* second = first + half;
+#pragma omp simd
+  for (int64_t d = 0; d < half; ++d) {
+    const float a = widen(first[d]), b = widen(second[d]);
+    narrow(a * cos[d] - b * sin[d], &target[d]);
+    narrow(b * cos[d] + a * sin[d], &target[half + d]);
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// One bfloat16 head, 16 lanes at a time (an overload declared before rope, so rope<uint16_t> takes it).
+inline void rotate(const uint16_t* first, const float* cos, const float* sin, int64_t half, uint16_t* target) {
+  for (int64_t d = 0; d < half; d += 16) {
+    const __mmask16 m = lanes(half - d);
+    const __m512 a = load16(first + d, m), b = load16(first + half + d, m);
+    const __m512 c = _mm512_maskz_loadu_ps(m, cos + d), s = _mm512_maskz_loadu_ps(m, sin + d);
+    store16(target + d, m, _mm512_fmsub_ps(a, c, _mm512_mul_ps(b, s)));
+    store16(target + half + d, m, _mm512_fmadd_ps(b, c, _mm512_mul_ps(a, s)));
+  }
+}
+#endif
+
+// Rotate-half RoPE of one tensor's heads [tokens, heads, width] (token and head strides given, the last
+// dimension contiguous) into a contiguous [tokens, heads, width]: with cos and sin from the float32 table row of
+// the token's position ([positions, width]: cos then sin, width / 2 each), the first half becomes
+// x1 * cos - x2 * sin and the second x2 * cos + x1 * sin.
+template <typename T>
+void rope(const T* x, int64_t token_stride, int64_t head_stride, int64_t heads, const int64_t* positions,
+          const float* table, int64_t width, int64_t tokens, T* out, int threads) {
+  const int64_t half = width / 2;
+#pragma omp parallel for num_threads(threads) if (tokens >= kParallelRows)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* cos = table + positions[t] * width;
+    const float* sin = cos + half;
+    for (int64_t h = 0; h < heads; ++h)
+      rotate(x + t * token_stride + h * head_stride, cos, sin, half, out + (t * heads + h) * width);
+  }
+}
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 template <>
 void add_rms_norm<uint16_t>(const uint16_t* x, int64_t x_stride, const uint16_t* residual, int64_t residual_stride,
                             const uint16_t* weight, int64_t rows, int64_t cols, float eps, uint16_t* normed,
@@ -140,28 +158,6 @@ void add_rms_norm<uint16_t>(const uint16_t* x, int64_t x_stride, const uint16_t*
   }
 }
 
-template <>
-void rope<uint16_t>(const uint16_t* x, int64_t token_stride, int64_t head_stride, int64_t heads,
-                    const int64_t* positions, const float* table, int64_t width, int64_t tokens, uint16_t* out,
-                    int threads) {
-  const int64_t half = width / 2;
-#pragma omp parallel for num_threads(threads) if (tokens >= kParallelRows)
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* cos = table + positions[t] * width;
-    const float* sin = cos + half;
-    for (int64_t h = 0; h < heads; ++h) {
-      const uint16_t* first = x + t * token_stride + h * head_stride;
-      uint16_t* target = out + (t * heads + h) * width;
-      for (int64_t d = 0; d < half; d += 16) {
-        const __mmask16 m = lanes(half - d);
-        const __m512 a = load16(first + d, m), b = load16(first + half + d, m);
-        const __m512 c = _mm512_maskz_loadu_ps(m, cos + d), s = _mm512_maskz_loadu_ps(m, sin + d);
-        store16(target + d, m, _mm512_fmsub_ps(a, c, _mm512_mul_ps(b, s)));
-        store16(target + half + d, m, _mm512_fmadd_ps(b, c, _mm512_mul_ps(a, s)));
-      }
-    }
-  }
-}
 #endif
 }  // namespace
 

@@ -419,6 +419,16 @@ struct Plan {
   int64_t num_sets, shared_width, own_width, per_kv;
 };
 
+// A plan's decodes, and its largest set's rows rounded up to whole 16-row tiles.
+inline std::pair<int64_t, int64_t> plan_sizes(const Plan& plan) {
+  int64_t decodes = 0, most = plan.per_kv;
+  for (int64_t set = 0; set < plan.num_sets; ++set) {
+    decodes += plan.sets[3 * set + 1];
+    most = std::max(most, plan.sets[3 * set + 1] * plan.per_kv);
+  }
+  return {decodes, (most + 15) / 16 * 16};
+}
+
 template <bool Wide, typename Cache>
 void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, float scale, float* out,
                  int threads) {
@@ -427,12 +437,7 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
   const int64_t num_sets = plan.num_sets, per_kv = plan.per_kv;
   const int64_t block = pool.block, kv_heads = pool.heads, dim = pool.dim;
   const int64_t q_heads = kv_heads * per_kv, row_stride = q_heads * dim;
-  int64_t decodes = 0, most = per_kv;
-  for (int64_t set = 0; set < num_sets; ++set) {
-    decodes += sets[3 * set + 1];
-    most = std::max(most, sets[3 * set + 1] * per_kv);
-  }
-  const int64_t padded = (most + 15) / 16 * 16;
+  const auto [decodes, padded] = plan_sizes(plan);
   // Each decode's running max and sum per query head after its set's shared walk (its weighted values wait in
   // its output row), and whether it had one.
   std::vector<float> carried(2 * decodes * q_heads);
@@ -814,12 +819,7 @@ void decode_sets_tiles(const uint16_t* query, const Pool<uint16_t>& pool, const 
   const int64_t num_sets = plan.num_sets, per_kv = plan.per_kv;
   const int64_t kv_heads = pool.heads, dim = pool.dim;
   const int64_t q_heads = kv_heads * per_kv, row_stride = q_heads * dim;
-  int64_t decodes = 0, most = per_kv;
-  for (int64_t set = 0; set < num_sets; ++set) {
-    decodes += sets[3 * set + 1];
-    most = std::max(most, sets[3 * set + 1] * per_kv);
-  }
-  const int64_t padded = (most + 15) / 16 * 16;
+  const auto [decodes, padded] = plan_sizes(plan);
   std::vector<float> carried(2 * decodes * q_heads);
   std::vector<char> continues(decodes, 0);
   // each decode's float32 sums between the walks ([decodes][q_heads][dim]); the bfloat16 output is written once
