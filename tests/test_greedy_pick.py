@@ -84,30 +84,38 @@ def run(engine, prompts, **params):
 
 
 def counting(monkeypatch, runner) -> list[int]:
-    """How many steps the runner picked greedily without the logits (the model's fused pick) and how many steps
-    went through the logits."""
-    calls = [0, 0]
-    model, forward = runner.model, runner.model.forward
+    """How many steps the runner picked greedily without the logits (the model's fused pick), how many went
+    through the logits, and how many forward passes ran at all (every pass makes final hidden states; a step of
+    prefill chunks where no row samples yet runs no LM head after them)."""
+    calls = [0, 0, 0]
+    model, forward, final_hidden = runner.model, runner.model.forward, runner.model.final_hidden
 
     def spy(*args, greedy=False, **kwargs):
         calls[0 if greedy else 1] += 1
         return forward(*args, greedy=greedy, **kwargs)
 
+    def hidden_spy(*args, **kwargs):
+        calls[2] += 1
+        return final_hidden(*args, **kwargs)
+
     monkeypatch.setattr(model, "forward", spy)
+    monkeypatch.setattr(model, "final_hidden", hidden_spy)
     return calls
 
 
 def test_a_greedy_engine_run_picks_in_the_lm_head_and_gives_the_unfused_runs_tokens(make_engine, chat_prompts,
                                                                                     monkeypatch):
     """Ten chat prompts, 6 to 12 greedy tokens each, 32-token steps (prefill chunks and decodes mixed): every
-    step takes the fused pick, and the tokens and finish reasons equal a run that samples from the logits."""
+    step where a row samples takes the fused pick, a step of the first prompt's first 32 tokens (nothing samples)
+    runs no LM head, and the tokens and finish reasons equal a run that samples from the logits."""
     unfused = make_engine(max_batched_tokens=32)
     unfused.runner.fused_greedy = False
     reference = run(unfused, chat_prompts)
     fused = make_engine(max_batched_tokens=32)
     calls = counting(monkeypatch, fused.runner)
     results = run(fused, chat_prompts)
-    assert calls == [len(fused.counters.steps), 0]
+    steps = len(fused.counters.steps)
+    assert calls[2] == steps and calls[1] == 0 and 0 < calls[0] < steps  # 16 of 17 here: the first step samples nothing
     assert len(results) == 10
     for i in range(10):
         assert results[i].output_token_ids == reference[i].output_token_ids
