@@ -148,7 +148,7 @@ def run_batchprefill(path: Path, work: Path, label: str, max_tokens: int, pool: 
         "engine.num_threads": args.threads, "engine.max_batched_tokens": args.max_batched_tokens,
         "engine.max_num_seqs": 256, "engine.block_size": 16, "output.progress": "false", **overrides,
     }
-    if args.model:
+    if getattr(args, "model", None):  # other harnesses (lora.py, pooling.py) call this with their own arguments
         settings |= {"model": "hf", "model.path": args.model}
     command = [sys.executable, "-m", "batchprefill.run", *(f"{k}={v}" for k, v in settings.items())]
     result = measure(command, log=work / f"bp-{label}.log")
