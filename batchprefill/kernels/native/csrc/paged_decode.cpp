@@ -679,6 +679,24 @@ inline void zero_and_store_output(int64_t i, float* target, int64_t stride, bool
   }
 }
 
+// 16-bit lane orders, built at compile time rather than at every walk: (a0 b0 a1 b1 ... a15 b15) and
+// (a16 b16 ... a31 b31) of two 32-lane vectors, and the two halves of one vector interleaved.
+struct LaneOrders {
+  uint16_t low[32], high[32], interleave[32];
+};
+
+constexpr LaneOrders lane_orders() {
+  LaneOrders orders{};
+  for (uint16_t i = 0; i < 16; ++i) {
+    orders.low[2 * i] = i, orders.low[2 * i + 1] = 32 + i;
+    orders.high[2 * i] = 16 + i, orders.high[2 * i + 1] = 48 + i;
+    orders.interleave[2 * i] = i, orders.interleave[2 * i + 1] = 16 + i;
+  }
+  return orders;
+}
+
+constexpr LaneOrders kLanes = lane_orders();
+
 // n rows per KV head (packed by pack_queries, [heads][tiles][...]) over `length` tokens of `blocks`, continuing their
 // online softmax: maxes and sums [heads][tiles * 16], acc [heads][n][dim] (unnormalized). Every head of a chunk is
 // walked before the next chunk, whose blocks are requested meanwhile: a block holds all heads' rows of its tokens
@@ -688,16 +706,8 @@ void walk_tiles(const uint32_t* packed, int64_t n, const Pool<uint16_t>& pool, c
                 float scale, TileScratch& s, float* maxes, float* sums, float* acc) {
   const int64_t dim = pool.dim, depth = dim / 32, tiles = (n + 15) / 16, dim_tiles = dim / 16;
   const int64_t stride = pool.token_stride * 2;  // bytes between a head's tokens
-  // 16-bit lanes (a0 b0 a1 b1 ... a15 b15) and (a16 b16 ... a31 b31) of two 32-lane vectors; and the two halves
-  // of one vector interleaved
-  alignas(64) uint16_t low[32], high[32], interleave[32];
-  for (int i = 0; i < 16; ++i) {
-    low[2 * i] = i, low[2 * i + 1] = 32 + i;
-    high[2 * i] = 16 + i, high[2 * i + 1] = 48 + i;
-    interleave[2 * i] = i, interleave[2 * i + 1] = 16 + i;
-  }
-  const __m512i low_index = _mm512_load_si512(low), high_index = _mm512_load_si512(high);
-  const __m512i pair_index = _mm512_load_si512(interleave);
+  const __m512i low_index = _mm512_loadu_si512(kLanes.low), high_index = _mm512_loadu_si512(kLanes.high);
+  const __m512i pair_index = _mm512_loadu_si512(kLanes.interleave);
   const __m512 scaling = _mm512_set1_ps(scale);
   float* scores = s.scores.data();
   float* products = s.products.data();
