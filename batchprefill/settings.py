@@ -165,6 +165,7 @@ def _engine(cfg: DictConfig) -> EngineSettings:
         prefix_caching=bool(e.prefix_caching), kv_cache_dtype=str(e.kv_cache_dtype),
         cache_namespace=str(e.cache_namespace), reserve_output_blocks=bool(e.reserve_output_blocks),
         num_threads=int(e.num_threads) if e.num_threads else None, cuda_graphs=bool(e.cuda_graphs),
+        batch_invariant=bool(e.batch_invariant),
     )
 
 

@@ -26,6 +26,7 @@ class EngineSettings:
     reserve_output_blocks: bool = True  # admit a request only if its prompt and max_tokens outputs fit
     num_threads: int | None = None
     cuda_graphs: bool = True
+    batch_invariant: bool = False  # a row's results are bitwise the same whatever shares its steps
 
 
 @dataclass(frozen=True)

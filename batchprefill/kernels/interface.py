@@ -49,6 +49,7 @@ class Ops(Protocol):
     """What a compute backend provides to the model."""
 
     graph_safe_decode: bool  # a decode-only step launches fixed grids with no host sync: CUDA graphs can replay it
+    batch_invariant: bool  # each row's results do not depend on what shares its step (engine.batch_invariant)
 
     def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
              ) -> AttentionMetadata:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from batchprefill.kernels.interface import AttentionMetadata, Ops
+from batchprefill.kernels.linear import batch_invariant_linears
 from batchprefill.kernels.lora import LoraHook, LoraStep, LoraWeights
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.families import family_for
@@ -26,7 +27,12 @@ class DecoderModel(torch.nn.Module):
     """Weights held as fused linears (QKV in one matrix, gate and up in one) to halve the op count."""
 
     def __init__(self, config: ModelConfig, weights: Weights, ops: Ops):
+        """Every linear built here (the families' layers, the heads) is batch-invariant where `ops` is."""
         super().__init__()
+        with batch_invariant_linears(ops.batch_invariant):
+            self._build(config, weights, ops)
+
+    def _build(self, config: ModelConfig, weights: Weights, ops: Ops) -> None:
         self.config = config
         self.ops = ops
         family = family_for(config.architecture)

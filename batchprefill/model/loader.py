@@ -108,17 +108,17 @@ def dtype_choice(name: str, device: torch.device) -> str:
     return f"{chosen} (model.dtype=auto: {why})"
 
 
-def make_ops(backend: str, device: torch.device) -> Ops:
+def make_ops(backend: str, device: torch.device, batch_invariant: bool = False) -> Ops:
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     if backend == "torch":
-        return TorchOps()
+        return TorchOps(batch_invariant=batch_invariant)
     if backend == "triton":
         try:
             from batchprefill.kernels.triton.ops import TritonOps
         except ImportError as error:
             raise JobError(f"engine.attention_backend=triton needs triton: {error}") from None
-        return TritonOps()
+        return TritonOps(batch_invariant=batch_invariant)
     raise JobError(f"engine.attention_backend={backend!r}: choose auto, torch or triton")
 
 

@@ -70,7 +70,7 @@ def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
         torch.set_num_threads(settings.num_threads)
     dtype = resolve_dtype(job.model.dtype, device)
     kv_dtype = dtype if settings.kv_cache_dtype == "auto" else resolve_dtype(settings.kv_cache_dtype, device)
-    ops = make_ops(settings.attention_backend, device)
+    ops = make_ops(settings.attention_backend, device, settings.batch_invariant)
     loaded = load_model(files.folder, dtype, device, ops, files.config, files.identity)
     adapter_scope = attach_job_adapters(job, loaded, files.config, dtype, device)
     return JobModel(loaded, files, device, dtype, kv_dtype, ops.graph_safe_decode, adapter_scope)

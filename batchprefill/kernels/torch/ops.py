@@ -64,10 +64,11 @@ class TorchOps:
 
     graph_safe_decode = False  # its batched decode builds index tensors on the host
 
-    def __init__(self, native: bool = True):
+    def __init__(self, native: bool = True, batch_invariant: bool = False):
         """`native`: decodes read the pool in place through the C++ kernel where it builds
         (`kernels/native/paged_decode.py`); otherwise, where it cannot be built, and for KV dtypes it lacks, each
         decode's blocks are gathered."""
+        self.batch_invariant = batch_invariant
         self._paged = paged_decode.load() if native else None
         elementwise = native_elementwise.load() if native else None  # per-token ops in one pass per row
         plain = elementwise is None

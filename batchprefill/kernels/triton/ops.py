@@ -48,7 +48,9 @@ class TritonOps:
     graph_safe_decode = True  # decode grids depend only on the batch size and the planned longest context
 
     def __init__(self, block_m: int | None = None, block_n: int | None = None,
-                 decode_min_segment: int = 256, decode_target_programs: int | None = None) -> None:
+                 decode_min_segment: int = 256, decode_target_programs: int | None = None,
+                 batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
         self.block_m = block_m
         self.block_n = block_n
         self.decode_min_segment = decode_min_segment
