@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchprefill.kernels.linear import Linear
+from batchprefill.kernels.linear import Linear, building_batch_invariant
 
 
 class ExpertWeights:
@@ -28,6 +28,7 @@ class ExpertWeights:
         self.gate_up: torch.Tensor | None = gate_up
         self.down: torch.Tensor | None = down
         self._linears: list[tuple[Linear, Linear]] = []
+        self._batch_invariant = building_batch_invariant()  # the linears are built later, at first use
 
     @classmethod
     def stack(cls, gates: list[torch.Tensor], ups: list[torch.Tensor], downs: list[torch.Tensor]) -> ExpertWeights:
@@ -46,7 +47,9 @@ class ExpertWeights:
         """(gate_up, down) per expert, prepacked where the device allows it."""
         if not self._linears:
             gate_up, down = self.stacked()
-            self._linears = [(Linear(gate_up[e]), Linear(down[e])) for e in range(self.num_experts)]
+            invariant = self._batch_invariant
+            self._linears = [(Linear(gate_up[e], batch_invariant=invariant), Linear(down[e], batch_invariant=invariant))
+                             for e in range(self.num_experts)]
             if self._linears[0][0].packed:
                 self.gate_up = self.down = None
         return self._linears

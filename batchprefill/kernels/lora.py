@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
+
+from batchprefill.kernels.linear import in_fixed_slices
 
 LoraHook = Callable[[str, torch.Tensor, torch.Tensor], None]  # (slot, output, input): adds the step's deltas
 
@@ -117,15 +120,21 @@ class LoraStep:
         return cls(groups, torch.from_numpy(segments).to(device), int((stops - starts)[lora].max()))
 
 
-def torch_lora(out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, step: LoraStep) -> None:
+def torch_lora(out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, step: LoraStep,
+               batch_invariant: bool = False) -> None:
     """Add every adapter's delta to its own tokens' rows of `out` `[T, out]`, from the projection's input `x`
-    `[T, in]`: per adapter one shrink and one expand over its rows, added in place."""
+    `[T, in]`: per adapter one shrink and one expand over its rows, added in place. `batch_invariant`: both
+    products in fixed row slices (`linear.in_fixed_slices`), so a row's delta does not depend on how many
+    tokens its adapter has this step."""
     for adapter, rows in step.groups:
         delta = weights.adapters.get(adapter)
         if delta is None:  # this adapter does not target this projection
             continue
         a_t, b_t = delta.dense(weights.out_features)
-        if isinstance(rows, slice):
+        if batch_invariant:
+            shrunk = in_fixed_slices(partial(torch.mm, mat2=a_t), x[rows])
+            out[rows] += in_fixed_slices(partial(torch.mm, mat2=b_t), shrunk)
+        elif isinstance(rows, slice):
             out[rows].addmm_(x[rows] @ a_t, b_t)
         else:
             out.index_add_(0, rows, (x.index_select(0, rows) @ a_t) @ b_t)

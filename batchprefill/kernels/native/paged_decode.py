@@ -43,19 +43,24 @@ MAX_SET_ROWS = 48
 
 @dataclass(frozen=True)
 class PagedPlan:
-    """A step's decodes as the kernel reads them, built once for every layer (layouts in the C++ source)."""
+    """A step's rows as the kernel reads them, built once for every layer (layouts in the C++ source)."""
 
     kernel: PagedDecode
     sets: torch.Tensor  # [num_sets, 3] int64: first member, member count, shared tokens
     shared_blocks: torch.Tensor  # [num_sets, width] int64
-    rows: torch.Tensor  # [decodes] int64 flat-batch row of each member, sets' members adjacent
-    own_blocks: torch.Tensor  # [decodes, width] int64
-    own_lens: torch.Tensor  # [decodes] int64
+    rows: torch.Tensor  # [members] int64 flat-batch row of each member, sets' members adjacent
+    own_blocks: torch.Tensor  # [members, width] int64
+    own_lens: torch.Tensor  # [members] int64
+    fixed_order: bool = False  # batch-invariant: every row's keys in one order, whatever its set (`plan_every_row`)
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                out: torch.Tensor) -> None:
-        """Writes every planned decode's attention `[Hq, D]` into `out` (`[tokens, Hq, D]`) at its row."""
+        """Writes every planned row's attention `[Hq, D]` into `out` (`[tokens, Hq, D]`) at its row."""
         self.kernel.run(self, query, k_cache, v_cache, scale, out)
+
+
+# A set: the block ids its members share, and its members as (sequence, flat-batch row, keys the row sees).
+Member = tuple[int, int, int]
 
 
 class PagedDecode:
@@ -63,15 +68,15 @@ class PagedDecode:
 
     def __init__(self, library: ctypes.CDLL):
         self._functions = {}
+        plan_arguments = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
         for dtype, name in _ENTRY_POINTS.items():
             function = getattr(library, name)
             function.restype = None
-            function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_void_p,
-                                                                                 ctypes.c_int]
+            function.argtypes = [*plan_arguments, ctypes.c_int]  # and whether the order is fixed
             self._functions[dtype] = function
         self._tiles_run = library.paged_decode_bf16_tiles_run  # bfloat16 queries and outputs, tile walks
         self._tiles_run.restype = None
-        self._tiles_run.argtypes = function.argtypes
+        self._tiles_run.argtypes = plan_arguments
         self._tiles = library.paged_decode_bf16_tiles
         self._tiles.restype = ctypes.c_int
         self._tiles.argtypes = [ctypes.c_int64, ctypes.c_int64]
@@ -92,54 +97,96 @@ class PagedDecode:
         by whichever thread is free, so the longest ones do not start last."""
         if not decodes:
             return None
+        return self._layout(_decode_sets(meta, decodes, tables, block, per_kv), tables, block, fixed_order=False)
+
+    def plan_every_row(self, meta: AttentionMetadata, tables: list[list[int]], block: int,
+                       per_kv: int) -> PagedPlan | None:
+        """Every query row of the step, a prefill chunk's as well as a decode's, as one row of the kernel, each
+        reducing its keys block by block from position 0 in one order (batch invariance): its bits then depend on
+        its own query and keys only, never on the step's other rows, its set, or where its prompt was chunked.
+
+        Decodes form sets as in `plan`. A chunk's rows go MAX_SET_ROWS at a time, each run of rows a set over the
+        blocks wholly before its first row, so they read that prefix once and walk at most a run and a block of
+        their own. The same walk serves prefill and decode, so a recomputed (preempted) answer gets the bits its
+        decode steps had."""
+        lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
+        decodes = [s for s, n in enumerate(lens) if n == 1]
+        sets = _decode_sets(meta, decodes, tables, block, per_kv)
         most = max(1, MAX_SET_ROWS // per_kv)
-        sets: list[tuple[tuple[int, ...], list[int]]] = []
-        for prefix, members in by_deepest_prefix(meta, decodes, tables, block).items():
-            if prefix and len(members) > 1:
-                sets += [(prefix, members[i : i + most]) for i in range(0, len(members), most)]
-            else:
-                sets += [((), [s]) for s in members]
-        seq_lens = meta.seq_lens_host
-        sets.sort(key=lambda item: -sum(seq_lens[s] for s in item[1]))  # rows x tokens read, / per_kv
-        query_start = np.cumsum([0, *meta.query_lens_host])
-        order = [s for _, members in sets for s in members]
-        shared_of = np.repeat([len(prefix) for prefix, _ in sets], [len(members) for _, members in sets])
-        own_lens = np.array([seq_lens[s] for s in order], dtype=np.int64) - shared_of * block
-        own_blocks = np.zeros((len(order), max(1, cdiv(int(own_lens.max()), block))), dtype=np.int64)
-        for i, s in enumerate(order):
-            own = tables[s][shared_of[i] : cdiv(seq_lens[s], block)]
+        query_start = np.cumsum([0, *lens]).tolist()
+        for s, count in enumerate(lens):
+            if count <= 1:
+                continue
+            first_position = seq_lens[s] - count
+            for start in range(0, count, most):
+                rows = range(start, min(count, start + most))
+                prefix = tuple(tables[s][: (first_position + start) // block])
+                sets.append((prefix, [(s, query_start[s] + j, first_position + j + 1) for j in rows]))
+        if not sets:
+            return None
+        return self._layout(sets, tables, block, fixed_order=True)
+
+    def _layout(self, sets: list[tuple[tuple[int, ...], list[Member]]], tables: list[list[int]], block: int,
+                fixed_order: bool) -> PagedPlan:
+        """The kernel's arrays for `sets`, the ones that read the most keys first: items are taken in order by
+        whichever thread is free, so the longest ones do not start last."""
+        sets.sort(key=lambda item: -sum(length for _, _, length in item[1]))
+        members = [member for _, chosen in sets for member in chosen]
+        shared_of = np.repeat([len(prefix) for prefix, _ in sets], [len(chosen) for _, chosen in sets])
+        own_lens = np.array([length for _, _, length in members], dtype=np.int64) - shared_of * block
+        own_blocks = np.zeros((len(members), max(1, cdiv(int(own_lens.max()), block))), dtype=np.int64)
+        for i, (s, _, length) in enumerate(members):
+            own = tables[s][shared_of[i] : cdiv(length, block)]
             own_blocks[i, : len(own)] = own
         shared_blocks = np.zeros((len(sets), max(1, max(len(prefix) for prefix, _ in sets))), dtype=np.int64)
         layout = np.zeros((len(sets), 3), dtype=np.int64)
         first = 0
-        for i, (prefix, members) in enumerate(sets):
+        for i, (prefix, chosen) in enumerate(sets):
             shared_blocks[i, : len(prefix)] = prefix
-            layout[i] = (first, len(members), len(prefix) * block)
-            first += len(members)
-        return PagedPlan(self, torch.from_numpy(layout), torch.from_numpy(shared_blocks),
-                         torch.from_numpy(query_start[order].astype(np.int64)), torch.from_numpy(own_blocks),
-                         torch.from_numpy(own_lens))
+            layout[i] = (first, len(chosen), len(prefix) * block)
+            first += len(chosen)
+        rows = np.array([row for _, row, _ in members], dtype=np.int64)
+        return PagedPlan(self, torch.from_numpy(layout), torch.from_numpy(shared_blocks), torch.from_numpy(rows),
+                         torch.from_numpy(own_blocks), torch.from_numpy(own_lens), fixed_order)
 
     def run(self, plan: PagedPlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
             out: torch.Tensor) -> None:
         _, q_heads, dim = query.shape
         kv_heads = k_cache.shape[2]
-        tiles = (query.dtype == k_cache.dtype == out.dtype == torch.bfloat16 and out.is_contiguous()
-                 and self.uses_tiles(k_cache.shape[1], dim))
-        if tiles:  # the flat batch's own bfloat16 rows in and out: 60 us a layer of copies saved at 80 decodes
-            query = query.contiguous()  # held here: the call must not outlive a temporary
-            function, target = self._tiles_run, out
-        else:
-            query = query.to(torch.float32).contiguous()
-            function = self._functions[k_cache.dtype]
-            target = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(query)
-        function(
-            query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        tiles = (not plan.fixed_order and query.dtype == k_cache.dtype == out.dtype == torch.bfloat16
+                 and out.is_contiguous() and self.uses_tiles(k_cache.shape[1], dim))
+        arguments = (
             plan.sets.data_ptr(), plan.shared_blocks.data_ptr(), plan.rows.data_ptr(), plan.own_blocks.data_ptr(),
             plan.own_lens.data_ptr(), plan.sets.shape[0], plan.shared_blocks.shape[1], plan.own_blocks.shape[1],
-            k_cache.shape[1], kv_heads, q_heads // kv_heads, dim, scale, target.data_ptr(), torch.get_num_threads())
+            k_cache.shape[1], kv_heads, q_heads // kv_heads, dim, scale)
+        if tiles:  # the flat batch's own bfloat16 rows in and out: 60 us a layer of copies saved at 80 decodes
+            query = query.contiguous()  # held here: the call must not outlive a temporary
+            self._tiles_run(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *arguments, out.data_ptr(),
+                            torch.get_num_threads())
+            return
+        query = query.to(torch.float32).contiguous()
+        target = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(query)
+        self._functions[k_cache.dtype](query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *arguments,
+                                       target.data_ptr(), torch.get_num_threads(), int(plan.fixed_order))
         if target is not out:
             out.index_copy_(0, plan.rows, target.index_select(0, plan.rows).to(out.dtype))
+
+
+def _decode_sets(meta: AttentionMetadata, decodes: list[int], tables: list[list[int]], block: int,
+                 per_kv: int) -> list[tuple[tuple[int, ...], list[Member]]]:
+    """Decodes sharing a prefix (`prefix_groups.by_deepest_prefix`) in sets of at most MAX_SET_ROWS rows; a decode
+    that shares nothing with another is a set of one."""
+    most = max(1, MAX_SET_ROWS // per_kv)
+    query_start = np.cumsum([0, *meta.query_lens_host]).tolist()
+    seq_lens = meta.seq_lens_host
+    sets: list[tuple[tuple[int, ...], list[Member]]] = []
+    for prefix, sequences in by_deepest_prefix(meta, decodes, tables, block).items():
+        members = [(s, query_start[s], seq_lens[s]) for s in sequences]
+        if prefix and len(members) > 1:
+            sets += [(prefix, members[i : i + most]) for i in range(0, len(members), most)]
+        else:
+            sets += [((), [member]) for member in members]
+    return sets
 
 
 def load() -> PagedDecode | None:

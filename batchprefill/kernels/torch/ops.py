@@ -18,6 +18,7 @@ from batchprefill.intmath import cdiv
 from batchprefill.kernels.experts import torch_experts
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.lora import torch_lora
+from batchprefill.kernels.native import build as native_build
 from batchprefill.kernels.native import elementwise as native_elementwise
 from batchprefill.kernels.native import paged_decode
 from batchprefill.kernels.native.paged_decode import PagedPlan
@@ -70,6 +71,10 @@ class TorchOps:
         decode's blocks are gathered."""
         self.batch_invariant = batch_invariant
         self._paged = paged_decode.load() if native else None
+        if batch_invariant and self._paged is None:
+            raise ValueError("engine.batch_invariant=true runs its attention in the CPU path's C++ kernel, which is "
+                             f"not built here: install a C++ compiler (g++) and leave {native_build.DISABLE_VARIABLE} "
+                             "unset")
         elementwise = native_elementwise.load() if native else None  # per-token ops in one pass per row
         plain = elementwise is None
         self.rms_norm = torch_elementwise.rms_norm if plain else elementwise.rms_norm
@@ -83,6 +88,9 @@ class TorchOps:
         short chunks into padded group batches (prefix_groups.py), long chunks alone."""
         block, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         lens, tables = meta.query_lens_host, meta.block_tables.tolist()
+        if self.batch_invariant:  # every row through the kernel's one walk: a fused call's tiling follows its shape
+            rows = self._paged.plan_every_row(meta, tables, block, num_q_heads // num_kv_heads)
+            return meta.with_plan(TorchPlan(rows, [], []))
         decodes = [s for s, n in enumerate(lens) if n == 1]
         pairs = [n * seq_len for n, seq_len in zip(lens, meta.seq_lens_host)]
         chunks = [s for s, n in enumerate(lens) if n > 1 and pairs[s] <= GROUPED_MAX_PAIRS]
@@ -161,5 +169,5 @@ class TorchOps:
         return torch_experts(hidden, experts, topk_weights, topk_ids)
 
     def lora(self, out, x, weights, step):
-        torch_lora(out, x, weights, step)
+        torch_lora(out, x, weights, step, self.batch_invariant)
 

@@ -417,6 +417,10 @@ struct Plan {
   const int64_t* own_blocks;
   const int64_t* own_lens;
   int64_t num_sets, shared_width, own_width, per_kv;
+  // Batch invariance: every row, in a set or alone, takes walk_few, whose arithmetic per row and block does not
+  // depend on the other rows (dot_rows reduces each row by the same tree wherever it sits among its four), so a
+  // row's result is the same whatever set it was planned in. walk_many's 16-row lanes sum in another order.
+  bool fixed_order = false;
 };
 
 // A plan's decodes, and its largest set's rows rounded up to whole 16-row tiles.
@@ -458,7 +462,7 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
       if (shared == 0) continue;
       const int64_t n = members * per_kv;
       bool many = false;
-      if constexpr (Wide) many = n >= kManyRows;
+      if constexpr (Wide) many = n >= kManyRows && !plan.fixed_order;
       const int64_t width = many ? (n + 15) / 16 * 16 : n;  // rows per head in the state
       float* maxes = state.data();
       float* sums = maxes + kv_heads * width;
@@ -960,8 +964,9 @@ void paged_decode_f32(const float* query, const float* k_cache, const float* v_c
                       const int64_t* shared_blocks, const int64_t* rows, const int64_t* own_blocks,
                       const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width,
                       int64_t block, int64_t kv_heads, int64_t per_kv, int64_t dim, float scale, float* out,
-                      int threads) {
-  const Plan plan{sets, shared_blocks, rows, own_blocks, own_lens, num_sets, shared_width, own_width, per_kv};
+                      int threads, int fixed_order) {
+  const Plan plan{sets,       shared_blocks, rows,   own_blocks, own_lens,
+                  num_sets,   shared_width,  own_width, per_kv,   fixed_order != 0};
   run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads);
 }
 
@@ -969,8 +974,9 @@ void paged_decode_bf16(const float* query, const uint16_t* k_cache, const uint16
                        const int64_t* shared_blocks, const int64_t* rows, const int64_t* own_blocks,
                        const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width,
                        int64_t block, int64_t kv_heads, int64_t per_kv, int64_t dim, float scale, float* out,
-                       int threads) {
-  const Plan plan{sets, shared_blocks, rows, own_blocks, own_lens, num_sets, shared_width, own_width, per_kv};
+                       int threads, int fixed_order) {
+  const Plan plan{sets,       shared_blocks, rows,   own_blocks, own_lens,
+                  num_sets,   shared_width,  own_width, per_kv,   fixed_order != 0};
   run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads);
 }
 
