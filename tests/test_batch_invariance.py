@@ -1,0 +1,273 @@
+"""engine.batch_invariant: a row's bits do not depend on what shares its steps (the CPU path; the Triton kernels'
+counterpart is test_batch_invariance_triton.py).
+
+Each layer is checked on its own first (a linear over any row count, attention over any chunking and company),
+then whole engines on a tiny random Llama in float32 and bfloat16 under budgets, sequence caps, orders and a pool
+small enough to preempt, then jobs: 1 shard against 3 merged, and a run killed at its first commit and resumed.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchprefill.engine.config import EngineConfig, EngineSettings
+from batchprefill.engine.engine import Engine
+from batchprefill.engine.request import Request
+from batchprefill.intmath import cdiv
+from batchprefill.io.atomic import KILL_AT_ENV
+from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.kernels.linear import INVARIANT_ROWS, Linear
+from batchprefill.kernels.torch.ops import TorchOps
+from batchprefill.model.loader import load_model
+from batchprefill.sampling_params import SamplingParams
+from tests.conftest import run_cli
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+# ---- linears ---------------------------------------------------------------------------------------------------
+
+_X = torch.randn(300, 576, generator=torch.Generator().manual_seed(0))
+_WEIGHT = torch.randn(1536, 576, generator=torch.Generator().manual_seed(1)) / 24  # SmolLM2's fused QKV shape
+_LINEARS = {dtype: Linear(_WEIGHT.to(dtype), batch_invariant=True) for dtype in DTYPES}
+
+
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), rows=st.lists(st.integers(0, 299), min_size=1, max_size=300))
+def test_an_invariant_linear_gives_each_row_the_bits_it_gets_among_all_300_rows(dtype, rows):
+    """Any subset, in any order, of 1 to 300 rows (oneDNN's bfloat16 products of this shape differ in their last
+    bits between 1-32 rows and 33-200 rows when multiplied in one call)."""
+    x = _X.to(dtype)
+    layer = _LINEARS[dtype]
+    assert torch.equal(layer(x[rows]), layer(x)[rows])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_invariant_linear_computes_what_f_linear_does_over_301_rows(dtype):
+    """Three slices of 128 rows, the last one padded with 83 rows of zeros."""
+    x = torch.cat([_X, _X[:1]]).to(dtype)
+    got = _LINEARS[dtype](x)
+    want = F.linear(x.float(), _WEIGHT.to(dtype).float())
+    assert got.shape == (301, 1536) and cdiv(301, INVARIANT_ROWS) == 3
+    assert torch.allclose(got.float(), want, atol=0.05 if dtype == torch.bfloat16 else 1e-4, rtol=0.02)
+
+
+# ---- attention ---------------------------------------------------------------------------------------------------
+
+BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 16, 2, 6, 64
+SEQ_LENS = [150, 45, 97, 33]  # keys of four sequences, laid in random pool blocks
+
+
+@functools.cache
+def _pool(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], list[torch.Tensor]]:
+    """The four sequences' keys and values in shuffled blocks, and a query for every position of each."""
+    generator = torch.Generator().manual_seed(2)
+    needed = [cdiv(n, BLOCK) for n in SEQ_LENS]
+    order = torch.randperm(sum(needed) + 2, generator=generator).tolist()
+    tables, start = [], 0
+    for count in needed:
+        tables.append(order[start : start + count])
+        start += count
+    shape = (sum(needed) + 2, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    queries = [torch.randn(n, Q_HEADS, HEAD_DIM, generator=generator).to(dtype) for n in SEQ_LENS]
+    return k_cache, v_cache, tables, queries
+
+
+def _attend(ops: TorchOps, dtype: torch.dtype, step: list[tuple[int, int, int]]) -> dict[tuple[int, int], torch.Tensor]:
+    """One step of (sequence, first query position, query count): each queried position's output."""
+    k_cache, v_cache, tables, queries = _pool(dtype)
+    width = max(len(tables[s]) for s, _, _ in step) + 1
+    block_tables = torch.zeros(len(step), width, dtype=torch.int32)
+    for i, (s, _, _) in enumerate(step):
+        block_tables[i, : len(tables[s])] = torch.tensor(tables[s])
+    q_lens = [count for _, _, count in step]
+    seq_lens = [first + count for _, first, count in step]
+    meta = AttentionMetadata(
+        query_start=torch.tensor(np.cumsum([0, *q_lens]), dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64), query_lens_host=q_lens, seq_lens_host=seq_lens)
+    query = torch.cat([queries[s][first : first + count] for s, first, count in step])
+    out = ops.attention(query, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+    rows = [(s, first + j) for s, first, count in step for j in range(count)]
+    return dict(zip(rows, out.unbind(0), strict=True))
+
+
+@functools.cache
+def _invariant() -> TorchOps:
+    return TorchOps(batch_invariant=True)
+
+
+@functools.cache
+def _whole(dtype: torch.dtype) -> dict[tuple[int, int], torch.Tensor]:
+    """Every position's output from its whole prompt in one step, alone."""
+    return {key: row for s, n in enumerate(SEQ_LENS) for key, row in _attend(_invariant(), dtype, [(s, 0, n)]).items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariant_attention_of_whole_prompts_matches_the_fused_path(dtype):
+    """The reference the next test holds every step to is itself right: within rounding of torch's fused
+    attention over the same prompts."""
+    fused = {key: row for s, n in enumerate(SEQ_LENS) for key, row in _attend(TorchOps(), dtype, [(s, 0, n)]).items()}
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert all(torch.allclose(_whole(dtype)[key].float(), row.float(), atol=tolerance) for key, row in fused.items())
+
+
+@st.composite
+def steps(draw) -> list[tuple[int, int, int]]:
+    """Some of the sequences, each with a run of queries ending anywhere: decodes (one query), chunks after a
+    cached part, whole prompts."""
+    chosen = draw(st.lists(st.sampled_from(range(len(SEQ_LENS))), min_size=1, max_size=4, unique=True))
+    step = []
+    for s in chosen:
+        end = draw(st.integers(1, SEQ_LENS[s]))
+        count = draw(st.one_of(st.just(1), st.integers(1, end)))
+        step.append((s, end - count, count))
+    return step
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(DTYPES), step=steps())
+def test_invariant_attention_gives_every_position_its_whole_prompt_bits_in_any_step(dtype, step):
+    """Whatever shares the step, however the prompt was chunked, decode or prefill: the bits of the position
+    computed in one pass over its whole prompt, alone."""
+    got = _attend(_invariant(), dtype, step)
+    differ = [key for key, row in got.items() if not torch.equal(row, _whole(dtype)[key])]
+    assert not differ, f"{len(differ)} of {len(got)} positions differ, first {differ[0]}"
+
+
+# ---- engines -----------------------------------------------------------------------------------------------------
+
+TINY = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, model_folder) -> Path:
+    """A random Llama with 4 query heads per KV head (a set of 4 decodes fills a 16-row lane group) and the
+    shipped tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_folder / name, folder / name)
+    return folder
+
+
+def _prompts() -> list[list[int]]:
+    """14 prompts over 3 shared prefixes of 5-150 tokens, with 1-100 tokens of their own (chunks over 128 rows)."""
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(49152) for _ in range(rng.randrange(5, 150))] for _ in range(3)]
+    return [prefixes[i % 3] + [rng.randrange(49152) for _ in range(rng.randrange(1, 100))] for i in range(14)]
+
+
+def _generate(folder: Path, dtype: torch.dtype, invariant: bool, order: list[int], num_blocks: int = 256,
+              **engine_settings) -> dict[int, tuple]:
+    """Each prompt's tokens and logprobs (its own and the top 2 at each step): even rows greedy, odd rows
+    sampled at temperature 1."""
+    loaded = load_model(folder, dtype, torch.device("cpu"), TorchOps(batch_invariant=invariant))
+    config = EngineConfig(EngineSettings(**engine_settings), num_blocks)
+    engine = Engine(loaded.model, config, lambda ids: "", (loaded.identity, str(dtype)), dtype, torch.device("cpu"))
+    prompts = _prompts()
+    requests = [Request(i, prompts[i], SamplingParams(max_tokens=10, temperature=float(i % 2), seed=i,
+                                                      ignore_eos=True, logprobs=2)) for i in order]
+    return {r.request_id: (r.output_token_ids, r.output_logprobs, r.output_top_logprobs)
+            for r in engine.generate(requests)}
+
+
+VARIANTS = {
+    "shuffled": dict(shuffle=True),
+    "3 sequences, 37 tokens a step": dict(max_num_seqs=3, max_batched_tokens=37),
+    "1 sequence, 16 tokens a step, shuffled": dict(shuffle=True, max_num_seqs=1, max_batched_tokens=16),
+    "a pool of 24 blocks that preempts": dict(num_blocks=24, reserve_output_blocks=False, max_batched_tokens=64),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_invariant_engine_gives_every_row_the_same_bits_under_any_budget_order_and_pool(tiny_folder, dtype):
+    order = list(range(14))
+    baseline = _generate(tiny_folder, dtype, True, order)
+    for name, variant in VARIANTS.items():
+        variant = dict(variant)
+        shuffled = order[:]
+        if variant.pop("shuffle", False):
+            random.Random(1).shuffle(shuffled)
+        got = _generate(tiny_folder, dtype, True, shuffled, **variant)
+        differ = [i for i in order if got[i] != baseline[i]]
+        assert not differ, f"{name}: rows {differ} differ"
+
+
+def test_a_sliding_window_model_under_batch_invariance_is_refused_naming_the_setting(tmp_path, model_folder):
+    config = transformers.MistralConfig(**{**TINY, "sliding_window": 8})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(Exception, match="engine.batch_invariant=true does not cover sliding-window attention"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"), TorchOps(batch_invariant=True))
+
+
+# ---- jobs --------------------------------------------------------------------------------------------------------
+
+JOB = ["engine.device=cpu", "model.dtype=bfloat16", "engine.batch_invariant=true", "sampling.max_tokens=8",
+       "sampling.ignore_eos=true", "sampling.logprobs=1", "output.progress=false", "output.commit_every_rows=4"]
+
+
+@pytest.fixture(scope="module")
+def job_data(tmp_path_factory) -> Path:
+    """24 prompts: 6 system prompts x 4 questions."""
+    rows = []
+    for subject in ("rivers", "honey bees", "comets", "glaciers", "deserts", "telescopes"):
+        system = f"You are an expert on {subject}. Answer in one short sentence, plainly, for a curious child."
+        for question in ("What is it?", "Where is it found?", "Why does it matter?", "Who studies it?"):
+            rows.append({"id": f"row-{len(rows):02d}", "prompt": f"{system}\nQuestion: {question}\nAnswer:"})
+    path = tmp_path_factory.mktemp("input") / "prompts.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def _results(out: Path) -> dict[str, tuple]:
+    rows = [row for part in sorted((out / "results").glob("part-*.parquet"))
+            for row in pq.read_table(part, columns=["id", "output_token_ids", "output_logprobs"]).to_pylist()]
+    assert len(rows) == len({row["id"] for row in rows}), "a row was written twice"
+    return {row["id"]: (row["output_token_ids"], row["output_logprobs"]) for row in rows}
+
+
+def _job(data: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_cli(["batchprefill-run", f"data.input={data}", f"output.dir={out}", *JOB, *extra], env=env)
+
+
+def test_bfloat16_jobs_as_1_shard_as_3_merged_and_killed_then_resumed_give_the_same_bits(
+        tiny_folder, job_data, tmp_path):
+    model = f"model.path={tiny_folder}"
+    whole = _job(job_data, tmp_path / "whole", model)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    reference = _results(tmp_path / "whole")
+    assert len(reference) == 24
+    for index in range(3):  # each shard with its own cap: other rows share its steps
+        shard = _job(job_data, tmp_path / "sharded", model, "data.num_shards=3", f"data.shard_index={index}",
+                     f"engine.max_num_seqs={index + 2}", "engine.max_batched_tokens=48")
+        assert shard.returncode == 0, shard.stderr[-2000:]
+    merged = run_cli(["batchprefill-merge", f"output.dir={tmp_path / 'sharded'}", f"model.path={tiny_folder}"])
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    assert _results(tmp_path / "sharded") == reference
+    killed = _job(job_data, tmp_path / "resumed", model, "engine.max_num_seqs=5",
+                  env={KILL_AT_ENV: "written:part-*-00001.parquet"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert len(_results(tmp_path / "resumed")) < 24
+    resumed = _job(job_data, tmp_path / "resumed", model, "engine.max_num_seqs=7")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _results(tmp_path / "resumed") == reference
+
