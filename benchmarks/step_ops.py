@@ -99,7 +99,8 @@ def measure(args) -> dict:
                     f"sampling.max_tokens={args.tokens}", "sampling.ignore_eos=true", "data.chat_template=false",
                     f"model.dtype={args.dtype}", "engine.kv_cache_tokens=65536", f"engine.num_threads={args.threads}",
                     "engine.max_batched_tokens=2048", "engine.max_num_seqs=256", "engine.block_size=16",
-                    "output.progress=false", "output.plot=false", f"hydra.run.dir={work}/hydra"]
+                    "output.progress=false", "output.plot=false", f"hydra.run.dir={work}/hydra",
+                    f"engine.batch_invariant={str(args.batch_invariant).lower()}"]
         try:
             run_main()
         except SystemExit as end:
@@ -114,6 +115,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch-invariant", action="store_true", help="with engine.batch_invariant=true")
     parser.add_argument("--baseline", help="a git revision to measure too, in the same run")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path)
@@ -137,14 +139,14 @@ def main() -> None:
     for name, row in rows.items():
         print(f"| {name} | {row['decode_steps']} | " + " | ".join(str(row.get(label, "")) for label in labels) + " |")
     if args.out:
-        args.out.write_text(json.dumps({"tokens": args.tokens, "threads": args.threads, "dtype": args.dtype, **rows},
-                                       indent=1))
+        args.out.write_text(json.dumps({"tokens": args.tokens, "threads": args.threads, "dtype": args.dtype,
+                                        "batch_invariant": args.batch_invariant, **rows}, indent=1))
 
 
 def _child(tree: Path, args) -> dict:
     """This script, run from `tree`'s code (the script itself always from this checkout)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--tokens", str(args.tokens),
-               "--threads", str(args.threads), "--dtype", args.dtype]
+               "--threads", str(args.threads), "--dtype", args.dtype, *(["--batch-invariant"] * args.batch_invariant)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(command, check=True, capture_output=True, text=True, env=env, cwd=tree)
     return json.loads(done.stdout.strip().splitlines()[-1])

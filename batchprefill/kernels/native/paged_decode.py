@@ -52,6 +52,7 @@ class PagedPlan:
     own_blocks: torch.Tensor  # [members, width] int64
     own_lens: torch.Tensor  # [members] int64
     fixed_order: bool = False  # batch-invariant: every row's keys in one order, whatever its set (`plan_every_row`)
+    lane_lengths: torch.Tensor | None = None  # [members] int64: tokens of its set's shared walk each member sees
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                out: torch.Tensor) -> None:
@@ -59,8 +60,10 @@ class PagedPlan:
         self.kernel.run(self, query, k_cache, v_cache, scale, out)
 
 
-# A set: the block ids its members share, and its members as (sequence, flat-batch row, keys the row sees).
-Member = tuple[int, int, int]
+# A set's member: (sequence, flat-batch row, keys the row sees, how many of them are in its set's shared walk).
+Member = tuple[int, int, int, int]
+# A set: the block ids its members share, the tokens of them its walk covers, and its members.
+Set = tuple[tuple[int, ...], int, list[Member]]
 
 
 class PagedDecode:
@@ -76,10 +79,11 @@ class PagedDecode:
             self._functions[dtype] = function
         self._tiles_run = library.paged_decode_bf16_tiles_run  # bfloat16 queries and outputs, tile walks
         self._tiles_run.restype = None
-        self._tiles_run.argtypes = plan_arguments
+        self._tiles_run.argtypes = [*plan_arguments, ctypes.c_int, ctypes.c_void_p]  # fixed order, lane lengths
         self._tiles = library.paged_decode_bf16_tiles
         self._tiles.restype = ctypes.c_int
         self._tiles.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        self.tile_chunk = int(library.paged_decode_tile_chunk())  # tokens: where an invariant tile walk may start
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._functions
@@ -99,19 +103,23 @@ class PagedDecode:
             return None
         return self._layout(_decode_sets(meta, decodes, tables, block, per_kv), tables, block, fixed_order=False)
 
-    def plan_every_row(self, meta: AttentionMetadata, tables: list[list[int]], block: int,
-                       per_kv: int) -> PagedPlan | None:
+    def plan_every_row(self, meta: AttentionMetadata, tables: list[list[int]], block: int, per_kv: int,
+                       tiles: bool = False) -> PagedPlan | None:
         """Every query row of the step, a prefill chunk's as well as a decode's, as one row of the kernel, each
         reducing its keys block by block from position 0 in one order (batch invariance): its bits then depend on
         its own query and keys only, never on the step's other rows, its set, or where its prompt was chunked.
 
-        Decodes form sets as in `plan`. A chunk's rows go MAX_SET_ROWS at a time, each run of rows a set over the
-        blocks wholly before its first row, so they read that prefix once and walk at most a run and a block of
-        their own. The same walk serves prefill and decode, so a recomputed (preempted) answer gets the bits its
-        decode steps had."""
+        Decodes form sets as in `plan`. A chunk's rows go MAX_SET_ROWS at a time, each run of rows a set. With the
+        vector walks (`tiles` false) its walk covers the blocks wholly before its first row, so the rows read that
+        prefix once and walk at most a run and a block of their own. The tile walks reduce keys in chunks of
+        `tile_chunk` tokens from a walk's start, so there every walk starts at a multiple of it: a decode set's
+        prefix is cut to whole chunks, and a run of prefill rows walks its sequence from 0 to its last row, each
+        row's lane stopping at its own position. Either way the same walk serves prefill and decode, so a
+        recomputed (preempted) answer gets the bits its decode steps had."""
         lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
         decodes = [s for s, n in enumerate(lens) if n == 1]
-        sets = _decode_sets(meta, decodes, tables, block, per_kv)
+        chunk_blocks = max(1, self.tile_chunk // block) if tiles else 1
+        sets = _decode_sets(meta, decodes, tables, block, per_kv, chunk_blocks)
         most = max(1, MAX_SET_ROWS // per_kv)
         query_start = np.cumsum([0, *lens]).tolist()
         for s, count in enumerate(lens):
@@ -119,50 +127,61 @@ class PagedDecode:
                 continue
             first_position = seq_lens[s] - count
             for start in range(0, count, most):
-                rows = range(start, min(count, start + most))
-                prefix = tuple(tables[s][: (first_position + start) // block])
-                sets.append((prefix, [(s, query_start[s] + j, first_position + j + 1) for j in rows]))
+                lengths = [first_position + j + 1 for j in range(start, min(count, start + most))]
+                rows = [query_start[s] + j for j in range(start, start + len(lengths))]
+                if tiles:  # the whole walk shared, each lane to its own length
+                    prefix, shared = tuple(tables[s][: cdiv(lengths[-1], block)]), lengths[-1]
+                    sets.append((prefix, shared, [(s, row, n, n) for row, n in zip(rows, lengths)]))
+                else:
+                    prefix = tuple(tables[s][: (first_position + start) // block])
+                    shared = len(prefix) * block
+                    sets.append((prefix, shared, [(s, row, n, shared) for row, n in zip(rows, lengths)]))
         if not sets:
             return None
-        return self._layout(sets, tables, block, fixed_order=True)
+        return self._layout(sets, tables, block, fixed_order=True, tiles=tiles)
 
-    def _layout(self, sets: list[tuple[tuple[int, ...], list[Member]]], tables: list[list[int]], block: int,
-                fixed_order: bool) -> PagedPlan:
+    def _layout(self, sets: list[Set], tables: list[list[int]], block: int, fixed_order: bool,
+                tiles: bool = False) -> PagedPlan:
         """The kernel's arrays for `sets`, the ones that read the most keys first: items are taken in order by
         whichever thread is free, so the longest ones do not start last."""
-        sets.sort(key=lambda item: -sum(length for _, _, length in item[1]))
-        members = [member for _, chosen in sets for member in chosen]
-        shared_of = np.repeat([len(prefix) for prefix, _ in sets], [len(chosen) for _, chosen in sets])
-        own_lens = np.array([length for _, _, length in members], dtype=np.int64) - shared_of * block
+        sets.sort(key=lambda item: -sum(length for _, _, length, _ in item[2]))
+        members = [member for _, _, chosen in sets for member in chosen]
+        seen = np.array([shared for _, _, _, shared in members], dtype=np.int64)
+        own_lens = np.array([length for _, _, length, _ in members], dtype=np.int64) - seen
         own_blocks = np.zeros((len(members), max(1, cdiv(int(own_lens.max()), block))), dtype=np.int64)
-        for i, (s, _, length) in enumerate(members):
-            own = tables[s][shared_of[i] : cdiv(length, block)]
+        for i, (s, _, length, shared) in enumerate(members):
+            own = tables[s][shared // block : cdiv(length, block)]
             own_blocks[i, : len(own)] = own
-        shared_blocks = np.zeros((len(sets), max(1, max(len(prefix) for prefix, _ in sets))), dtype=np.int64)
+        shared_blocks = np.zeros((len(sets), max(1, max(len(prefix) for prefix, _, _ in sets))), dtype=np.int64)
         layout = np.zeros((len(sets), 3), dtype=np.int64)
         first = 0
-        for i, (prefix, chosen) in enumerate(sets):
+        for i, (prefix, shared, chosen) in enumerate(sets):
             shared_blocks[i, : len(prefix)] = prefix
-            layout[i] = (first, len(chosen), len(prefix) * block)
+            layout[i] = (first, len(chosen), shared)
             first += len(chosen)
-        rows = np.array([row for _, row, _ in members], dtype=np.int64)
+        rows = np.array([row for _, row, _, _ in members], dtype=np.int64)
         return PagedPlan(self, torch.from_numpy(layout), torch.from_numpy(shared_blocks), torch.from_numpy(rows),
-                         torch.from_numpy(own_blocks), torch.from_numpy(own_lens), fixed_order)
+                         torch.from_numpy(own_blocks), torch.from_numpy(own_lens), fixed_order,
+                         torch.from_numpy(seen) if tiles else None)
 
     def run(self, plan: PagedPlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
             out: torch.Tensor) -> None:
         _, q_heads, dim = query.shape
         kv_heads = k_cache.shape[2]
-        tiles = (not plan.fixed_order and query.dtype == k_cache.dtype == out.dtype == torch.bfloat16
-                 and out.is_contiguous() and self.uses_tiles(k_cache.shape[1], dim))
+        tiles = (query.dtype == k_cache.dtype == out.dtype == torch.bfloat16 and out.is_contiguous()
+                 and self.uses_tiles(k_cache.shape[1], dim))
+        if plan.fixed_order and tiles != (plan.lane_lengths is not None):  # the walks the plan was laid out for
+            raise ValueError(f"a batch-invariant plan for the {'tile' if plan.lane_lengths is not None else 'vector'} "
+                             f"walks cannot run {query.dtype} queries over a {k_cache.dtype} pool")
         arguments = (
             plan.sets.data_ptr(), plan.shared_blocks.data_ptr(), plan.rows.data_ptr(), plan.own_blocks.data_ptr(),
             plan.own_lens.data_ptr(), plan.sets.shape[0], plan.shared_blocks.shape[1], plan.own_blocks.shape[1],
             k_cache.shape[1], kv_heads, q_heads // kv_heads, dim, scale)
         if tiles:  # the flat batch's own bfloat16 rows in and out: 60 us a layer of copies saved at 80 decodes
             query = query.contiguous()  # held here: the call must not outlive a temporary
+            lanes = plan.lane_lengths.data_ptr() if plan.lane_lengths is not None else None
             self._tiles_run(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *arguments, out.data_ptr(),
-                            torch.get_num_threads())
+                            torch.get_num_threads(), int(plan.fixed_order), lanes)
             return
         query = query.to(torch.float32).contiguous()
         target = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(query)
@@ -173,19 +192,21 @@ class PagedDecode:
 
 
 def _decode_sets(meta: AttentionMetadata, decodes: list[int], tables: list[list[int]], block: int,
-                 per_kv: int) -> list[tuple[tuple[int, ...], list[Member]]]:
-    """Decodes sharing a prefix (`prefix_groups.by_deepest_prefix`) in sets of at most MAX_SET_ROWS rows; a decode
-    that shares nothing with another is a set of one."""
+                 per_kv: int, whole: int = 1) -> list[Set]:
+    """Decodes sharing a prefix (`prefix_groups.by_deepest_prefix`), cut to a multiple of `whole` blocks, in sets
+    of at most MAX_SET_ROWS rows; a decode that shares nothing with another is a set of one."""
     most = max(1, MAX_SET_ROWS // per_kv)
     query_start = np.cumsum([0, *meta.query_lens_host]).tolist()
     seq_lens = meta.seq_lens_host
-    sets: list[tuple[tuple[int, ...], list[Member]]] = []
-    for prefix, sequences in by_deepest_prefix(meta, decodes, tables, block).items():
-        members = [(s, query_start[s], seq_lens[s]) for s in sequences]
+    sets: list[Set] = []
+    for deepest, sequences in by_deepest_prefix(meta, decodes, tables, block).items():
+        prefix = deepest[: len(deepest) // whole * whole]
+        shared = len(prefix) * block
+        members = [(s, query_start[s], seq_lens[s], shared) for s in sequences]
         if prefix and len(members) > 1:
-            sets += [(prefix, members[i : i + most]) for i in range(0, len(members), most)]
+            sets += [(prefix, shared, members[i : i + most]) for i in range(0, len(members), most)]
         else:
-            sets += [((), [member]) for member in members]
+            sets += [((), 0, [(s, row, length, 0)]) for s, row, length, _ in members]
     return sets
 
 

@@ -89,7 +89,8 @@ class TorchOps:
         block, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         lens, tables = meta.query_lens_host, meta.block_tables.tolist()
         if self.batch_invariant:  # every row through the kernel's one walk: a fused call's tiling follows its shape
-            rows = self._paged.plan_every_row(meta, tables, block, num_q_heads // num_kv_heads)
+            tiles = dtype == k_cache.dtype == torch.bfloat16 and self._paged.uses_tiles(block, k_cache.shape[3])
+            rows = self._paged.plan_every_row(meta, tables, block, num_q_heads // num_kv_heads, tiles)
             return meta.with_plan(TorchPlan(rows, [], []))
         decodes = [s for s, n in enumerate(lens) if n == 1]
         pairs = [n * seq_len for n, seq_len in zip(lens, meta.seq_lens_host)]

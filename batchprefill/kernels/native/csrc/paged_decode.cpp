@@ -409,6 +409,10 @@ void walk_few(const float* query, int64_t n, const Pool<Cache>& pool, const int6
 // From this many rows a set walks its shared prefix vectorized across rows (walk_many).
 constexpr int64_t kManyRows = 16;
 
+// Tokens per chunk of a tile walk (below): one softmax update, and one store of the weights-times-values sums, per
+// chunk and row tile. At 32 tokens (one tile's depth) those stores and updates cost more than the tile products.
+constexpr int64_t kChunk = 128;
+
 // A step's sets and decodes as the planner laid them out (see the layouts at the top).
 struct Plan {
   const int64_t* sets;
@@ -420,7 +424,11 @@ struct Plan {
   // Batch invariance: every row, in a set or alone, takes walk_few, whose arithmetic per row and block does not
   // depend on the other rows (dot_rows reduces each row by the same tree wherever it sits among its four), so a
   // row's result is the same whatever set it was planned in. walk_many's 16-row lanes sum in another order.
+  // The tile walks are invariant as they are, given chunks at fixed positions (see decode_sets_tiles).
   bool fixed_order = false;
+  // With the tile walks: [members] the tokens of its set's shared walk each member sees (a prefill row sees the
+  // keys up to its own position; the walk goes on to the set's last row), or null: all of them.
+  const int64_t* lane_lengths = nullptr;
 };
 
 // A plan's decodes, and its largest set's rows rounded up to whole 16-row tiles.
@@ -603,9 +611,6 @@ inline void transpose_16x16(const uint32_t* source, uint32_t* target) {
   for (int i = 0; i < 16; ++i) _mm512_storeu_si512(target + 16 * i, r[i]);  // r[i] is column i
 }
 
-// Tokens per chunk of a walk: one softmax update, and one store of the weights-times-values sums, per chunk and
-// row tile. At 32 tokens (one tile's depth) those stores and updates cost more than the tile products.
-constexpr int64_t kChunk = 128;
 
 struct TileScratch {
   std::vector<uint32_t> queries;  // [row tiles][dim / 32][16 dim pairs][16 rows] query pairs
@@ -702,12 +707,15 @@ constexpr LaneOrders lane_orders() {
 constexpr LaneOrders kLanes = lane_orders();
 
 // n rows per KV head (packed by pack_queries, [heads][tiles][...]) over `length` tokens of `blocks`, continuing their
-// online softmax: maxes and sums [heads][tiles * 16], acc [heads][n][dim] (unnormalized). Every head of a chunk is
+// online softmax: maxes and sums [heads][tiles * 16], acc [heads][n][dim] (unnormalized). `limits` [n], or null:
+// row r sees only the walk's first limits[r] tokens. A row's bits do not depend on the walk going on past its
+// limit, nor on the other rows of its tiles: past its limit its lane takes weight 0 (the sum adds exact zeros,
+// the rescale is exp(0) = 1, the products add 0 x value), and a tile product computes each output on its own. Every head of a chunk is
 // walked before the next chunk, whose blocks are requested meanwhile: a block holds all heads' rows of its tokens
 // (6 KB at SmolLM2's 3 KV heads), and walking one head at a time over every block read each block three times in
 // scattered thirds. Heads up to 128 wide (four query tiles).
 void walk_tiles(const uint32_t* packed, int64_t n, const Pool<uint16_t>& pool, const int64_t* blocks, int64_t length,
-                float scale, TileScratch& s, float* maxes, float* sums, float* acc) {
+                float scale, TileScratch& s, float* maxes, float* sums, float* acc, const int64_t* limits = nullptr) {
   const int64_t dim = pool.dim, depth = dim / 32, tiles = (n + 15) / 16, dim_tiles = dim / 16;
   const int64_t stride = pool.token_stride * 2;  // bytes between a head's tokens
   const __m512i low_index = _mm512_loadu_si512(kLanes.low), high_index = _mm512_loadu_si512(kLanes.high);
@@ -760,15 +768,26 @@ void walk_tiles(const uint32_t* packed, int64_t n, const Pool<uint16_t>& pool, c
         }
         float* tile_max = maxes + 16 * (head * tiles + tile);
         float* tile_sum = sums + 16 * (head * tiles + tile);
+        alignas(64) int32_t seen[16];  // tokens of this chunk each lane sees
+        for (int64_t lane = 0; lane < 16; ++lane) {
+          const int64_t r = std::min<int64_t>(16 * tile + lane, n - 1);
+          seen[lane] = static_cast<int32_t>(limits ? std::clamp<int64_t>(limits[r] - start, 0, count) : count);
+        }
+        const __m512i lane_seen = _mm512_load_si512(seen);
         const __m512 previous = _mm512_loadu_ps(tile_max);
         __m512 highest = _mm512_set1_ps(-FLT_MAX);  // of the raw products; the scale is positive
-        for (int64_t t = 0; t < count; ++t) highest = _mm512_max_ps(highest, _mm512_loadu_ps(scores + 16 * t));
+        for (int64_t t = 0; t < count; ++t) {
+          const __mmask16 sees = _mm512_cmpgt_epi32_mask(lane_seen, _mm512_set1_epi32(static_cast<int32_t>(t)));
+          highest = _mm512_mask_max_ps(highest, sees, highest, _mm512_loadu_ps(scores + 16 * t));
+        }
         const __m512 running = _mm512_max_ps(previous, _mm512_mul_ps(highest, scaling));
         __m512 added = _mm512_setzero_ps();
         for (int64_t t = 0; t < 32 * groups; ++t) {
           __m512 weight = _mm512_setzero_ps();
           if (t < count) {
-            weight = exp_weights(_mm512_fmsub_ps(_mm512_loadu_ps(scores + 16 * t), scaling, running));
+            const __mmask16 sees = _mm512_cmpgt_epi32_mask(lane_seen, _mm512_set1_epi32(static_cast<int32_t>(t)));
+            weight = _mm512_maskz_mov_ps(sees, exp_weights(_mm512_fmsub_ps(_mm512_loadu_ps(scores + 16 * t), scaling,
+                                                                           running)));
             added = _mm512_add_ps(added, weight);
           }
           _mm512_storeu_ps(scores + 16 * t, weight);
@@ -826,6 +845,11 @@ inline void prefetch_walk(const Pool<uint16_t>& pool, const int64_t* blocks, int
 constexpr int64_t kTileTokens = 40;
 
 // decode_sets for a bfloat16 pool, each walk as tile matmuls (the same two phases and carried state).
+//
+// With plan.fixed_order (batch invariance) a row's bits depend only on its query and its keys: every walk takes
+// tiles (no vector walk for short ones), and the planner starts every walk at a multiple of kChunk tokens (a set's
+// shared part is whole chunks, or a prefill set's rows walk from 0 with lane limits), so each row reduces its keys
+// in the same chunks, at the same positions, whatever it shares them with.
 void decode_sets_tiles(const uint16_t* query, const Pool<uint16_t>& pool, const Plan& plan, float scale,
                        uint16_t* out, int threads) {
   const int64_t* sets = plan.sets;
@@ -849,6 +873,7 @@ void decode_sets_tiles(const uint16_t* query, const Pool<uint16_t>& pool, const 
     s.scores.resize(kChunk * 16);
     s.products.resize(16 * dim);
     std::vector<float> maxes(kv_heads * padded), sums(kv_heads * padded), acc(kv_heads * padded * dim);
+    std::vector<int64_t> limits(padded);
     Scratch vector;  // the vector walk's buffers, for short own walks
     vector.keys.resize(pool.block * pool.token_stride);
     vector.values.resize(pool.block * pool.token_stride);
@@ -871,8 +896,10 @@ void decode_sets_tiles(const uint16_t* query, const Pool<uint16_t>& pool, const 
       std::fill(acc.begin(), acc.begin() + kv_heads * n * dim, 0.0f);
       if (set + threads < num_sets)  // the set this thread is likely to take next
         prefetch_walk(pool, plan.shared_blocks + (set + threads) * plan.shared_width, sets[3 * (set + threads) + 2]);
+      if (plan.lane_lengths)
+        for (int64_t r = 0; r < n; ++r) limits[r] = plan.lane_lengths[first + r / per_kv];
       walk_tiles(s.queries.data(), n, pool, plan.shared_blocks + set * plan.shared_width, shared, scale, s,
-                 maxes.data(), sums.data(), acc.data());
+                 maxes.data(), sums.data(), acc.data(), plan.lane_lengths ? limits.data() : nullptr);
       for (int64_t h = 0; h < kv_heads; ++h) {
         for (int64_t r = 0; r < n; ++r) {
           const int64_t decode = first + r / per_kv, q = h * per_kv + r % per_kv;
@@ -901,7 +928,7 @@ void decode_sets_tiles(const uint16_t* query, const Pool<uint16_t>& pool, const 
       if (decode + threads < decodes)  // the decode this thread is likely to take next
         prefetch_walk(pool, plan.own_blocks + (decode + threads) * plan.own_width, plan.own_lens[decode + threads]);
       const int64_t length = plan.own_lens[decode];
-      if (length < kTileTokens) {  // short: the vector walk, in float32 on widened keys and values
+      if (length < kTileTokens && !plan.fixed_order) {  // short: the vector walk, float32 on widened keys, values
         for (int64_t h = 0; h < kv_heads; ++h)
           for (int64_t r = 0; r < per_kv; ++r) {
             few_maxes[h * per_kv + r] = maxes[h * width + r];
@@ -981,17 +1008,22 @@ void paged_decode_bf16(const float* query, const uint16_t* k_cache, const uint16
 }
 
 // A bfloat16 model over a bfloat16 pool where takes_tiles holds: queries and outputs in bfloat16 (the flat batch's
-// own tensors, no float32 copies), the walks as tile matmuls. A float32 model over a bfloat16 pool takes
+// own tensors, no float32 copies), the walks as tile matmuls; `lane_lengths` may be null (see Plan). A float32 model over a bfloat16 pool takes
 // paged_decode_bf16, whose float32 walks do not round its queries.
 void paged_decode_bf16_tiles_run(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_cache,
                                  const int64_t* sets, const int64_t* shared_blocks, const int64_t* rows,
                                  const int64_t* own_blocks, const int64_t* own_lens, int64_t num_sets,
                                  int64_t shared_width, int64_t own_width, int64_t block, int64_t kv_heads,
-                                 int64_t per_kv, int64_t dim, float scale, uint16_t* out, int threads) {
-  const Plan plan{sets, shared_blocks, rows, own_blocks, own_lens, num_sets, shared_width, own_width, per_kv};
+                                 int64_t per_kv, int64_t dim, float scale, uint16_t* out, int threads,
+                                 int fixed_order, const int64_t* lane_lengths) {
+  const Plan plan{sets,     shared_blocks, rows,      own_blocks, own_lens,         num_sets,
+                  shared_width, own_width, per_kv, fixed_order != 0, lane_lengths};
   const Pool<uint16_t> pool{k_cache, v_cache, block, kv_heads, dim, kv_heads * dim, block * kv_heads * dim};
   decode_sets_tiles(query, pool, plan, scale, out, threads);
 }
+
+// Tokens per chunk of the tile walks: a batch-invariant plan starts every tile walk at a multiple of it.
+int64_t paged_decode_tile_chunk() { return kChunk; }
 
 // 1 where a bfloat16 pool of this block size and head size runs the tile walks (what the run's summary reports).
 int paged_decode_bf16_tiles(int64_t block, int64_t dim) { return takes_tiles(block, dim) ? 1 : 0; }

@@ -1,0 +1,101 @@
+"""What `engine.batch_invariant` costs (issue 25): the engine loop with and without it, side by side in one run.
+
+    python benchmarks/batch_invariance.py --out benchmarks/batch_invariance.json  # decode128, shared; f32, bf16
+    python benchmarks/batch_invariance.py --rows 16 --dtypes bfloat16 --pairs 1   # a smoke test
+
+For each precision and workload, `--pairs` alternating pairs of jobs (off, on, then on, off, ...), one at a time,
+so a drift of the machine's speed lands on both sides. The figure is the engine loop (the steps' summed
+durations, as compare.py reports against vLLM's generate()), and the ratio on/off. On a shared virtual machine
+single steps stall for seconds now and then (seen: 13 s for a 70 ms step, and whole runs 10x slower); a job's
+schedule does not depend on timing, so its runs take the same steps, and the robust figure sums each step at its
+fastest over the runs of a setting (`loop_fastest_steps`); the plain medians are kept beside it. The greedy
+agreement of the two settings' outputs is reported beside it: the same model, the same tokens on most rows, the
+bits of a few rows moved (which is what the setting stops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import compare  # noqa: E402
+import workloads as wl  # noqa: E402
+
+
+def step_durations(out: Path) -> list[float]:
+    """A job's step durations in seconds, in step order (stats/steps.parquet)."""
+    import polars as pl
+
+    return (pl.read_parquet(out / "stats" / "steps.parquet").sort("step")["duration_ms"] / 1e3).to_list()
+
+
+def fastest_steps(runs: list[list[float]]) -> float:
+    """The loop with each step at its fastest over runs that took the same steps."""
+    if len({len(steps) for steps in runs}) != 1:
+        raise SystemExit("the runs of one setting took different numbers of steps: the schedule is not repeatable")
+    return sum(min(times) for times in zip(*runs))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="write every figure as JSON here")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bp-invariance"), help="scratch folder")
+    parser.add_argument("--workloads", default="decode128,shared")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--pairs", type=int, default=2, help="alternating (off, on) pairs per case")
+    parser.add_argument("--rows", type=int, help="keep only the first ROWS prompts of each workload")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.model = None
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model_name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "")
+    meta = {"command": " ".join(sys.argv), "cpu": model_name, "threads": args.threads,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    folder = compare.wl_folder()
+    cases = []
+    for workload in wl.all_workloads():
+        if workload.name not in args.workloads.split(","):
+            continue
+        workload.prompts = workload.prompts[: args.rows]
+        wl.finalize(workload, wl.token_ids(workload.prompts, folder))
+        path = workload.write(args.work)
+        for dtype in args.dtypes.split(","):
+            args.dtype = dtype
+            runs: dict[str, list[dict]] = {"false": [], "true": []}
+            for pair in range(args.pairs):
+                for setting in ("false", "true") if pair % 2 == 0 else ("true", "false"):
+                    label = f"{workload.name}-{dtype}-{setting}-{pair}"
+                    print(f"  {label} ...", file=sys.stderr, flush=True)
+                    row = compare.run_batchprefill(path, args.work, label, workload.max_tokens,
+                                                   workload.kv_pool_tokens or compare.BIG_POOL, args,
+                                                   **{"engine.batch_invariant": setting})
+                    print(f"    loop {row['generate_seconds']:.1f} s", file=sys.stderr, flush=True)
+                    row["steps"] = step_durations(args.work / f"bp-{label}")
+                    runs[setting].append(row)
+            fastest = {s: fastest_steps([r["steps"] for r in runs[s]]) for s in runs}
+            loops = {s: [r["generate_seconds"] for r in runs[s]] for s in runs}
+            agreement = compare.agreement(runs["false"][0]["outputs"], runs["true"][0]["outputs"])
+            cases.append({"workload": workload.name, "dtype": dtype, "loop_off": loops["false"],
+                          "loop_on": loops["true"], "loop_fastest_steps_off": fastest["false"],
+                          "loop_fastest_steps_on": fastest["true"], "ratio": fastest["true"] / fastest["false"],
+                          "median_ratio": statistics.median(loops["true"]) / statistics.median(loops["false"]),
+                          "greedy_agreement": agreement, "prompts": len(workload.prompts),
+                          "max_tokens": workload.max_tokens})
+            print(f"{workload.name} {dtype}: loop (fastest steps) off {fastest['false']:.2f} s, on "
+                  f"{fastest['true']:.2f} s, {cases[-1]['ratio']:.2f}x (medians {cases[-1]['median_ratio']:.2f}x), "
+                  f"greedy agreement {agreement:.0%}", flush=True)
+            if args.out:
+                args.out.write_text(json.dumps({"meta": meta, "cases": cases}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
