@@ -278,3 +278,65 @@ def test_bfloat16_jobs_as_1_shard_as_3_merged_and_killed_then_resumed_give_the_s
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _results(tmp_path / "resumed") == reference
 
+
+
+# ---- tasks, adapters and experts through the Python API -------------------------------------------------------------
+
+BUSY = {"engine.max_batched_tokens": 2048, "engine.max_num_seqs": 256}
+STARVED = {"engine.max_batched_tokens": 16, "engine.max_num_seqs": 2, "data.order": "input"}
+
+
+def _api_twice(data: pa.Table, columns: list[str], **config) -> tuple[list, list]:
+    """The job's `columns` in bfloat16 under batch invariance, with a full budget in prefix order and with 16
+    tokens and 2 sequences a step in input order."""
+    import batchprefill
+
+    common = {"engine.device": "cpu", "model.dtype": "bfloat16", "engine.batch_invariant": True,
+              "sampling.max_tokens": 6, "sampling.ignore_eos": True, **config}
+    return tuple(batchprefill.run(data, progress=False, **common, **budget).table.select(columns).rows()
+                 for budget in (BUSY, STARVED))
+
+
+def _shared_prompts(count: int = 12) -> list[str]:
+    systems = ["You sort rocks by colour and answer in one word.", "You are a terse librarian who names one book."]
+    rocks = ["pebble", "granite", "basalt"]
+    return [f"{systems[i % 2]}\nItem {i}: {rocks[i % 3]} number {i * 7}" for i in range(count)]
+
+
+def test_invariant_lora_rows_keep_their_bits_under_any_budget(tiny_folder, tmp_path, model_folder):
+    from tests.lora_helpers import ALL_SEPARATE, save_adapter
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder)
+    folders = {name: tmp_path / name for name in ("a1", "a2")}
+    for seed, folder in enumerate(folders.values()):
+        save_adapter(base, folder, seed, ALL_SEPARATE)
+    prompts = _shared_prompts()
+    data = pa.table({"prompt": prompts, "adapter": [[None, "a1", "a2"][i % 3] for i in range(len(prompts))]})
+    adapters = {f"+model.adapters.{name}": str(folder) for name, folder in folders.items()}
+    busy, starved = _api_twice(data, ["output_token_ids", "output_logprobs"], model="hf",
+                               **{"model.path": str(tiny_folder), "data.adapter_column": "adapter",
+                                  "sampling.logprobs": 1, **adapters})
+    assert busy == starved
+
+
+def test_invariant_expert_rows_keep_their_bits_under_any_budget(tmp_path, model_folder):
+    from tests.test_moe_families import save_tiny_moe
+
+    save_tiny_moe("qwen3_moe", tmp_path, model_folder)
+    busy, starved = _api_twice(pa.table({"prompt": _shared_prompts()}), ["output_token_ids", "output_logprobs"],
+                               model="hf", **{"model.path": str(tmp_path), "sampling.logprobs": 1})
+    assert busy == starved
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_invariant_embeddings_keep_their_bits_under_any_budget(tiny_folder, pooling):
+    busy, starved = _api_twice(pa.table({"prompt": _shared_prompts()}), ["embedding"], model="hf", task="embed",
+                               **{"model.path": str(tiny_folder), "model.pooling": pooling})
+    assert busy == starved and len(busy[0][0]) == TINY["hidden_size"]
+
+
+def test_invariant_choice_scores_keep_their_bits_under_any_budget(tiny_folder):
+    data = pa.table({"prompt": _shared_prompts(), "choices": [[" yes", " no", " maybe so"]] * 12})
+    busy, starved = _api_twice(data, ["choice_logprobs"], model="hf", task="score",
+                               **{"model.path": str(tiny_folder)})
+    assert busy == starved

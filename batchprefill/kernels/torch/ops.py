@@ -5,6 +5,10 @@ in place (`kernels/native/paged_decode.py`; where it is not built, gathered copi
 `decode_groups.py`): each group's shared blocks read once, then each decode's own. Short chunks go through group
 attention (`prefix_groups.py`): a few fused calls for the whole step. Chunks too long for its
 dense mask run one fused call each.
+
+With `batch_invariant` every query row, a chunk's as well as a decode's, goes through the C++ kernel instead
+(`PagedDecode.plan_every_row`): a fused call's tiling follows its shapes, so a row's bits would depend on how its
+prompt was chunked and what shared the call; the kernel's walks reduce each row's keys in one order.
 """
 
 from __future__ import annotations
@@ -89,6 +93,8 @@ class TorchOps:
         block, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         lens, tables = meta.query_lens_host, meta.block_tables.tolist()
         if self.batch_invariant:  # every row through the kernel's one walk: a fused call's tiling follows its shape
+            if k_cache.device.type != "cpu":
+                raise ValueError("engine.batch_invariant=true with engine.attention_backend=torch runs on the CPU only")
             tiles = dtype == k_cache.dtype == torch.bfloat16 and self._paged.uses_tiles(block, k_cache.shape[3])
             rows = self._paged.plan_every_row(meta, tables, block, num_q_heads // num_kv_heads, tiles)
             return meta.with_plan(TorchPlan(rows, [], []))
