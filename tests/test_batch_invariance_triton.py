@@ -1,0 +1,279 @@
+"""engine.batch_invariant on the Triton path, under the interpreter (tests/conftest.py): a row's linear outputs and
+attention outputs are bitwise the same whatever shares its call or step, however its prompt is chunked, and
+whether its position runs as a decode or inside a chunk; the MoE and LoRA tiles stop following the step.
+
+What the interpreter cannot show: GPU rounding (TF32, MMA layouts, fused multiply-adds). The tests pin the
+choices that decide it on a GPU (fixed tiles, one kernel, every KV tile masked) and the arithmetic order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchprefill.intmath import cdiv
+from batchprefill.kernels.experts import ExpertWeights
+from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.kernels.torch.ops import TorchOps
+from batchprefill.kernels.triton import lora as triton_lora
+from batchprefill.kernels.triton import moe as triton_moe
+from batchprefill.kernels.triton import ops as triton_ops
+from batchprefill.kernels.triton.matmul import invariant_linear
+from batchprefill.kernels.triton.ops import TritonOps
+from batchprefill.model.moe import route
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # bf16: the interpreter's casts truncate
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_of_the_invariant_linear_is_the_same_among_1_5_33_or_90_rows_and_in_any_order(dtype) -> None:
+    """100 inputs (not a multiple of the 32-deep steps) to 70 outputs with a bias: rows 0..m-1 of a call on m rows
+    equal the same rows of the 90-row call, and a shuffled batch gives the shuffled rows."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(70, 100, generator=gen) * 0.1).to(dtype)
+    bias = torch.randn(70, generator=gen).to(dtype)
+    x = torch.randn(90, 100, generator=gen).to(dtype)
+    full = invariant_linear(x, weight, bias)
+    assert full.dtype == dtype and full.shape == (90, 70)
+    _close(full, F.linear(x.float(), weight.float(), bias.float()), dtype)
+    for m in (1, 5, 33):
+        assert torch.equal(invariant_linear(x[:m], weight, bias), full[:m])
+    for seed in (1, 2):
+        order = torch.randperm(90, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(invariant_linear(x[order], weight, bias), full[order])
+    assert torch.equal(invariant_linear(x.view(9, 10, 100), weight, bias), full.view(9, 10, 70))
+    assert invariant_linear(x[:0], weight, bias).shape == (0, 70)
+
+
+# Attention: sequences are given as per-position (query, key, value); a step computes, for each entry
+# (sequence, first position, count), the queries of those positions over the cache of all positions up to them.
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 1, 32, 16
+LONG = 150  # three 64-token KV tiles, the last one partial
+Entry = tuple[int, int, int]
+
+
+def _sequences(lengths: list[int], dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    return [
+        tuple(torch.randn(n, heads, HEAD_DIM, generator=gen).to(dtype) for heads in (Q_HEADS, KV_HEADS, KV_HEADS))
+        for n in lengths
+    ]
+
+
+def _step(ops, seqs, entries: list[Entry], window: int | None = None, reference: bool = False) -> dict:
+    """{(sequence, position): output [Q_HEADS, HEAD_DIM]} of one step, its blocks spread over the pool in an order
+    drawn from the step, so no two steps share a layout."""
+    dtype = seqs[0][0].dtype
+    needed = [cdiv(start + count, BLOCK_SIZE) for _, start, count in entries]
+    order = torch.randperm(sum(needed) + 2, generator=torch.Generator().manual_seed(len(entries) * 1000 + sum(needed)))
+    k_cache = torch.zeros(len(order), BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    tables = torch.zeros(len(entries), max(needed), dtype=torch.int32)
+    queries, first = [], 0
+    for row, ((seq, start, count), blocks) in enumerate(zip(entries, needed, strict=True)):
+        tables[row, :blocks] = order[first : first + blocks].to(torch.int32)
+        first += blocks
+        positions = torch.arange(start + count)
+        slots = tables[row, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+        q, k, v = seqs[seq]
+        k_cache.view(-1, KV_HEADS, HEAD_DIM)[slots] = k[: start + count]
+        v_cache.view(-1, KV_HEADS, HEAD_DIM)[slots] = v[: start + count]
+        queries.append(q[start : start + count])
+    q_lens = [count for _, _, count in entries]
+    seq_lens = [start + count for _, start, count in entries]
+    meta = AttentionMetadata(
+        query_start=torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
+        query_lens_host=q_lens,
+        seq_lens_host=seq_lens,
+    )
+    out = ops.attention(torch.cat(queries), k_cache, v_cache, meta, HEAD_DIM**-0.5, window)
+    rows, at = {}, 0
+    for seq, start, count in entries:
+        for position in range(start, start + count):
+            rows[seq, position] = out[at]
+            at += 1
+    return rows
+
+
+def _differing(got: dict, want: dict) -> list:
+    """The (sequence, position) keys of `got` whose rows differ in any bit from `want`'s."""
+    return [key for key, row in got.items() if not torch.equal(row, want[key])]
+
+
+SPLITS = {
+    "chunks-at-37-64-130": [[(0, 0, 37)], [(0, 37, 27)], [(0, 64, 66)], [(0, 130, 20)]],
+    "last-two-as-decodes": [[(0, 0, 148)], [(0, 148, 1)], [(0, 149, 1)]],
+    "beside-a-chunk-and-decodes": [[(1, 0, 90), (0, 0, 100), (2, 39, 1)], [(2, 40, 1), (0, 100, 50), (1, 90, 1)]],
+    "decodes-beside-chunks": [
+        [(1, 0, 90), (0, 0, 147)],
+        [(0, 147, 1), (1, 90, 1)],
+        [(2, 0, 41), (0, 148, 1)],
+        [(0, 149, 1), (2, 41, 1)],
+    ],
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_150_token_prompt_gives_the_same_bits_chunked_at_37_64_130_as_decodes_or_beside_other_rows(dtype) -> None:
+    """Sequence 0 (150 tokens) alone in one chunk is the reference; split into four chunks, ending in two decodes,
+    or sharing its steps with a 90-token chunk and decodes of a 42-token sequence, every position of it comes out
+    bitwise the same. The reference is also the torch path's attention."""
+    seqs = _sequences([LONG, 91, 42], dtype)
+    ops = TritonOps(batch_invariant=True)
+    alone = _step(ops, seqs, [(0, 0, LONG)])
+    want = TorchOps().attention(seqs[0][0], *_cache_of(seqs[0]), HEAD_DIM**-0.5)
+    _close(torch.stack([alone[0, p] for p in range(LONG)]), want, dtype)
+    for name, steps in SPLITS.items():
+        for entries in steps:
+            rows = {key: row for key, row in _step(ops, seqs, entries).items() if key[0] == 0}
+            assert _differing(rows, alone) == [], name
+
+
+def _cache_of(seq: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple:
+    """(k_cache, v_cache, meta) of one sequence prefilled in one chunk, for the torch reference."""
+    q, k, v = seq
+    n = q.shape[0]
+    blocks = cdiv(n, BLOCK_SIZE)
+    k_cache = torch.zeros(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=k.dtype)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache.view(-1, KV_HEADS, HEAD_DIM)[:n] = k
+    v_cache.view(-1, KV_HEADS, HEAD_DIM)[:n] = v
+    meta = AttentionMetadata(
+        query_start=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+        slot_mapping=torch.arange(n),
+        query_lens_host=[n],
+        seq_lens_host=[n],
+    )
+    return k_cache, v_cache, meta
+
+
+def test_a_decode_split_into_segments_differs_from_its_chunk_by_default_and_not_when_invariant() -> None:
+    """The default serves position 149 as a decode split into 16-token segments and merged: close to the same
+    position inside a chunk, but not the same bits. Invariant, the same settings give the chunk's bits."""
+    seqs = _sequences([LONG], torch.float32)
+    for invariant in (False, True):
+        ops = TritonOps(decode_min_segment=16, decode_target_programs=64, batch_invariant=invariant)
+        in_chunk = _step(ops, seqs, [(0, 0, LONG)])
+        as_decode = _step(ops, seqs, [(0, LONG - 1, 1)])
+        _close(as_decode[0, LONG - 1], in_chunk[0, LONG - 1], torch.float32)
+        assert torch.equal(as_decode[0, LONG - 1], in_chunk[0, LONG - 1]) == invariant
+
+
+def test_under_a_40_token_window_a_chunked_prompt_and_its_decodes_keep_the_one_chunk_bits() -> None:
+    """Windowed tiles start at the first row's window rounded down to a whole tile, so rows whose window starts
+    later walk tiles they cannot see; those leave their state untouched, so the bits stay."""
+    seqs = _sequences([LONG, 91], torch.float32)
+    ops = TritonOps(batch_invariant=True)
+    alone = _step(ops, seqs, [(0, 0, LONG)], window=40)
+    k_cache, v_cache, meta = _cache_of(seqs[0])
+    want = TorchOps().attention(seqs[0][0], k_cache, v_cache, meta, HEAD_DIM**-0.5, 40)
+    _close(torch.stack([alone[0, p] for p in range(LONG)]), want, torch.float32)
+    for entries in ([(0, 0, 70)], [(1, 0, 91), (0, 70, 79)], [(0, 149, 1), (1, 90, 1)]):
+        rows = {key: row for key, row in _step(ops, seqs, entries, window=40).items() if key[0] == 0}
+        assert _differing(rows, alone) == []
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(
+    cuts=st.lists(st.integers(1, LONG - 1), min_size=1, max_size=3, unique=True),
+    companions=st.lists(st.tuples(st.integers(0, 90), st.integers(1, 20)), min_size=0, max_size=2),
+)
+def test_any_chunking_of_a_150_token_prompt_beside_any_companions_keeps_its_bits(cuts, companions) -> None:
+    """Random cut points for sequence 0, and in every step the same random companions (a 91-token sequence at a
+    drawn position with a drawn number of queries)."""
+    seqs = _sequences([LONG, 111], torch.float32)
+    ops = TritonOps(batch_invariant=True)
+    alone = _step(ops, seqs, [(0, 0, LONG)])
+    bounds = [0, *sorted(cuts), LONG]
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        entries = [(1, start, count) for start, count in companions] + [(0, lo, hi - lo)]
+        rows = {key: row for key, row in _step(ops, seqs, entries).items() if key[0] == 0}
+        assert _differing(rows, alone) == []
+
+
+def test_an_invariant_plan_tiles_chunks_of_600_and_200_and_two_decodes_in_64_row_tiles_with_no_split(
+    monkeypatch,
+) -> None:
+    """Off the interpreter the default takes 128-row tiles for these chunks and sends the decodes to the decode
+    kernel; invariant, 10 + 4 tiles of 64 rows plus one tile per decode, nothing split."""
+    monkeypatch.setattr(triton_ops, "interpreting", lambda: False)
+    specs = [(0, 600), (50, 200), (300, 1), (20, 1)]
+    meta = AttentionMetadata(
+        query_start=torch.zeros(5, dtype=torch.int32),
+        seq_lens=torch.zeros(4, dtype=torch.int32),
+        block_tables=torch.zeros(4, 1, dtype=torch.int32),
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        query_lens_host=[q for _, q in specs],
+        seq_lens_host=[c + q for c, q in specs],
+    )
+    k_cache = torch.zeros(1, BLOCK_SIZE, 2, HEAD_DIM)
+    default = TritonOps().plan(meta, k_cache, 4, torch.bfloat16).plan
+    assert default.block_m == 128 and default.decode_rows.tolist() == [2, 3]
+    plan = TritonOps(batch_invariant=True).plan(meta, k_cache, 4, torch.bfloat16).plan
+    assert (plan.block_m, plan.num_decodes, plan.decode_rows, plan.num_segments) == (64, 0, None, 1)
+    assert np.bincount(plan.tile_map[:, 0].numpy()).tolist() == [10, 4, 1, 1]
+
+
+def test_an_invariant_decode_only_step_reads_its_tiles_from_one_persistent_tensor() -> None:
+    """A decode-only step copies nothing to the device (a CUDA graph can capture it): 3 decodes get tiles (0, 0),
+    (1, 0), (2, 0), and a later step of 2 a view of the same storage."""
+    ops = TritonOps(batch_invariant=True)
+    k_cache = torch.zeros(1, BLOCK_SIZE, 2, HEAD_DIM)
+
+    def decodes(n: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            query_start=torch.arange(n + 1, dtype=torch.int32),
+            seq_lens=torch.ones(n, dtype=torch.int32),
+            block_tables=torch.zeros(n, 1, dtype=torch.int32),
+            slot_mapping=torch.zeros(n, dtype=torch.int64),
+            query_lens_host=[1] * n,
+            seq_lens_host=[9] * n,
+        )
+        return ops.plan(meta, k_cache, 4, torch.float32).plan.tile_map
+
+    three = decodes(3)
+    assert three.tolist() == [[0, 0], [1, 0], [2, 0]]
+    assert decodes(2).data_ptr() == three.data_ptr() and ops._host is None
+
+
+def test_invariant_moe_and_lora_tiles_do_not_follow_the_step_while_the_default_ones_do(monkeypatch) -> None:
+    """Off the interpreter: MoE tiles for 2, 400 and 4000 (token, expert) pairs over 8 experts, LoRA tiles for
+    longest segments of 1, 40 and 500 tokens."""
+    for module in (triton_moe, triton_lora):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    assert {triton_moe._block_m(p, 8) for p in (2, 400, 4000)} == {16, 32, 64}
+    assert {triton_moe._block_m(p, 8, batch_invariant=True) for p in (2, 400, 4000)} == {32}
+    assert {triton_lora._block_m(n) for n in (1, 40, 500)} == {16, 32, 64}
+    assert {triton_lora._block_m(n, batch_invariant=True) for n in (1, 40, 500)} == {32}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_invariant_moe_token_gives_the_same_bits_among_1_or_23_tokens_and_in_any_order(dtype) -> None:
+    """23 tokens, 4 experts, top 3: each token's output alone, or in a shuffled batch, is its row of the full
+    batch; and the full batch is the torch path's."""
+    gen = torch.Generator().manual_seed(3)
+    experts = ExpertWeights(
+        (torch.randn(4, 2 * 24, 32, generator=gen) / 32**0.5).to(dtype),
+        (torch.randn(4, 32, 24, generator=gen) / 24**0.5).to(dtype),
+    )
+    x = torch.randn(23, 32, generator=gen).to(dtype)
+    weights, ids = route(torch.randn(23, 4, generator=gen), 3, normalize=False)
+    ops = TritonOps(batch_invariant=True)
+    full = ops.moe(x, experts, weights, ids)
+    _close(full, TorchOps().moe(x, ExpertWeights(experts.gate_up.clone(), experts.down.clone()), weights, ids), dtype)
+    assert torch.equal(ops.moe(x[5:6], experts, weights[5:6], ids[5:6]), full[5:6])
+    order = torch.randperm(23, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(ops.moe(x[order], experts, weights[order], ids[order]), full[order])
