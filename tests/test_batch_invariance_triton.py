@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchprefill.engine.config import EngineConfig, EngineSettings
+from batchprefill.engine.engine import Engine
+from batchprefill.engine.request import Request
 from batchprefill.intmath import cdiv
 from batchprefill.kernels.experts import ExpertWeights
 from batchprefill.kernels.interface import AttentionMetadata
@@ -23,7 +26,10 @@ from batchprefill.kernels.triton import moe as triton_moe
 from batchprefill.kernels.triton import ops as triton_ops
 from batchprefill.kernels.triton.matmul import invariant_linear
 from batchprefill.kernels.triton.ops import TritonOps
+from batchprefill.model.config import ModelConfig
+from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.moe import route
+from batchprefill.sampling_params import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # bf16: the interpreter's casts truncate
@@ -277,3 +283,73 @@ def test_an_invariant_moe_token_gives_the_same_bits_among_1_or_23_tokens_and_in_
     assert torch.equal(ops.moe(x[5:6], experts, weights[5:6], ids[5:6]), full[5:6])
     order = torch.randperm(23, generator=torch.Generator().manual_seed(4))
     assert torch.equal(ops.moe(x[order], experts, weights[order], ids[order]), full[order])
+
+
+LAYER_SHAPES = {
+    "input_layernorm.weight": (64,),
+    "post_attention_layernorm.weight": (64,),
+    "self_attn.q_proj.weight": (64, 64),
+    "self_attn.k_proj.weight": (32, 64),
+    "self_attn.v_proj.weight": (32, 64),
+    "self_attn.o_proj.weight": (64, 64),
+    "mlp.gate_proj.weight": (96, 64),
+    "mlp.up_proj.weight": (96, 64),
+    "mlp.down_proj.weight": (64, 96),
+}
+
+
+def _tiny_model(dtype: torch.dtype) -> DecoderModel:
+    """Two Llama layers (so a position's attention output reaches the next layer's keys, which every later token
+    reads), 4 query heads over 2 KV heads of 16, a 50-token vocabulary: random weights."""
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_positions=128,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        eos_token_ids=(0,),
+    )
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"model.embed_tokens.weight": (50, 64), "lm_head.weight": (50, 64), "model.norm.weight": (64,)}
+    shapes |= {f"model.layers.{i}.{name}": shape for i in range(2) for name, shape in LAYER_SHAPES.items()}
+    weights = {name: (0.3 * torch.randn(shape, generator=gen)).to(dtype) for name, shape in shapes.items()}
+    # 16-token KV tiles and segments: the default splits any decode context of 17 tokens or more and merges it.
+    ops = TritonOps(block_n=16, decode_min_segment=16, decode_target_programs=64, batch_invariant=True)
+    return DecoderModel(config, weights, ops)
+
+
+def test_an_engine_on_invariant_triton_gives_the_same_logprobs_at_any_batch_size_chunk_budget_or_decode_path():
+    """Three prompts (33, 26 and 5 tokens, the second sharing the first's first 24), 6 greedy tokens each, with
+    their logprobs: one sequence at a time with 8-token chunks, four at a time with 64, and four at a time through
+    the padded decode buffers a CUDA graph replays; every token and logprob is bitwise the same. The same engine
+    without batch_invariant fails this: 33 tokens in 8-token chunks leave a 1-token chunk, which the default runs
+    as a split decode. (float32 only: at this size bfloat16's rounding hides that difference, and the interpreter
+    runs bfloat16 dots in float32 anyway.)"""
+    dtype = torch.float32
+    prompts = [list(range(7, 40)), list(range(7, 31)) + [5, 6], [9] * 5]
+    model = _tiny_model(dtype)
+    runs = []
+    for max_num_seqs, max_batched_tokens, padded in ((1, 8, "off"), (4, 64, "off"), (4, 16, "eager")):
+        settings = EngineSettings(block_size=8, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs)
+        engine = Engine(
+            model,
+            EngineConfig(settings, num_blocks=64, padded_decode=padded),
+            lambda ids: "",
+            ("tiny",),
+            dtype,
+            torch.device("cpu"),
+        )
+        sampling = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
+        requests = [Request(i, p, sampling) for i, p in enumerate(prompts)]
+        runs.append({r.request_id: (r.output_token_ids, r.output_logprobs) for r in engine.generate(requests)})
+    assert runs[0] == runs[1] == runs[2]
+    assert all(len(tokens) == len(logprobs) == 6 for tokens, logprobs in runs[0].values())
