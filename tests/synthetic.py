@@ -45,3 +45,53 @@ def random_paged_batch(
     v_cache = torch.randn(cache_shape, generator=gen, dtype=dtype, device=device)
     query = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen, dtype=dtype, device=device)
     return query, k_cache, v_cache, meta
+
+
+Sequence = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # per position: query [n, Hq, D], key and value [n, Hkv, D]
+Entry = tuple[int, int, int]  # (sequence, first position, count) of one step
+
+
+def random_sequences(lengths: list[int], num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     device: str | torch.device = "cpu", seed: int = 7) -> list[Sequence]:
+    """Per-position queries, keys and values of sequences of these lengths, so that any split of a sequence into
+    steps (`attention_of_entries`) sees the same numbers."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        tuple(torch.randn(n, heads, head_dim, generator=gen).to(dtype).to(device)
+              for heads in (num_q_heads, num_kv_heads, num_kv_heads))
+        for n in lengths
+    ]
+
+
+def attention_of_entries(ops, seqs: list[Sequence], entries: list[Entry], block_size: int,
+                         window: int | None = None) -> dict[tuple[int, int], torch.Tensor]:
+    """{(sequence, position): attention output [Hq, D]} of one step that computes, for each entry, the queries of
+    its positions over a cache of every position up to them. Its blocks are spread over the pool in an order drawn
+    from the step, so two different steps do not share a layout."""
+    query0, key0, _ = seqs[0]
+    device, dtype, kv_heads, head_dim = query0.device, query0.dtype, key0.shape[1], key0.shape[2]
+    needed = [cdiv(start + count, block_size) for _, start, count in entries]
+    order = torch.randperm(sum(needed) + SPARE_BLOCKS, generator=torch.Generator().manual_seed(sum(needed)))
+    k_cache = torch.zeros(len(order), block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    tables = torch.zeros(len(entries), max(needed), dtype=torch.int32)
+    queries, firsts = [], [0, *accumulate(needed)][:-1]
+    for row, ((seq, start, count), blocks, first) in enumerate(zip(entries, needed, firsts, strict=True)):
+        tables[row, :blocks] = order[first : first + blocks].to(torch.int32)
+        positions = torch.arange(start + count)
+        slots = (tables[row, positions // block_size].long() * block_size + positions % block_size).to(device)
+        query, key, value = seqs[seq]
+        k_cache.view(-1, kv_heads, head_dim)[slots] = key[: start + count]
+        v_cache.view(-1, kv_heads, head_dim)[slots] = value[: start + count]
+        queries.append(query[start : start + count])
+    q_lens = [count for _, _, count in entries]
+    seq_lens = [start + count for _, start, count in entries]
+    meta = AttentionMetadata(
+        query_start=torch.tensor([0, *accumulate(q_lens)], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), block_tables=tables.to(device),
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64, device=device),
+        query_lens_host=q_lens, seq_lens_host=seq_lens,
+    )
+    out = ops.attention(torch.cat(queries), k_cache, v_cache, meta, head_dim**-0.5, window)
+    keys = [(seq, position) for seq, start, count in entries for position in range(start, start + count)]
+    return dict(zip(keys, out, strict=True))

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from batchprefill.engine.config import EngineConfig, EngineSettings
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request
-from batchprefill.intmath import cdiv
 from batchprefill.kernels.experts import ExpertWeights
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.torch.ops import TorchOps
@@ -30,16 +29,17 @@ from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.moe import route
 from batchprefill.sampling_params import SamplingParams
+from tests.synthetic import Entry, Sequence, attention_of_entries, random_sequences
 
 DTYPES = [torch.float32, torch.bfloat16]
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # bf16: the interpreter's casts truncate
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # bf16: the interpreter's casts truncate
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
 def test_a_row_of_the_invariant_linear_is_the_same_among_1_5_33_or_90_rows_and_in_any_order(dtype) -> None:
     """100 inputs (not a multiple of the 32-deep steps) to 70 outputs with a bias: rows 0..m-1 of a call on m rows
     equal the same rows of the 90-row call, and a shuffled batch gives the shuffled rows."""
@@ -59,57 +59,18 @@ def test_a_row_of_the_invariant_linear_is_the_same_among_1_5_33_or_90_rows_and_i
     assert invariant_linear(x[:0], weight, bias).shape == (0, 70)
 
 
-# Attention: sequences are given as per-position (query, key, value); a step computes, for each entry
-# (sequence, first position, count), the queries of those positions over the cache of all positions up to them.
+# Attention: a step computes, for each entry (sequence, first position, count), the queries of those positions over
+# the cache of all positions up to them (tests/synthetic.py).
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 1, 32, 16
 LONG = 150  # three 64-token KV tiles, the last one partial
-Entry = tuple[int, int, int]
 
 
-def _sequences(lengths: list[int], dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(7)
-    return [
-        tuple(torch.randn(n, heads, HEAD_DIM, generator=gen).to(dtype) for heads in (Q_HEADS, KV_HEADS, KV_HEADS))
-        for n in lengths
-    ]
+def _sequences(lengths: list[int], dtype: torch.dtype) -> list[Sequence]:
+    return random_sequences(lengths, Q_HEADS, KV_HEADS, HEAD_DIM, dtype)
 
 
-def _step(ops, seqs, entries: list[Entry], window: int | None = None, reference: bool = False) -> dict:
-    """{(sequence, position): output [Q_HEADS, HEAD_DIM]} of one step, its blocks spread over the pool in an order
-    drawn from the step, so no two steps share a layout."""
-    dtype = seqs[0][0].dtype
-    needed = [cdiv(start + count, BLOCK_SIZE) for _, start, count in entries]
-    order = torch.randperm(sum(needed) + 2, generator=torch.Generator().manual_seed(len(entries) * 1000 + sum(needed)))
-    k_cache = torch.zeros(len(order), BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
-    tables = torch.zeros(len(entries), max(needed), dtype=torch.int32)
-    queries, first = [], 0
-    for row, ((seq, start, count), blocks) in enumerate(zip(entries, needed, strict=True)):
-        tables[row, :blocks] = order[first : first + blocks].to(torch.int32)
-        first += blocks
-        positions = torch.arange(start + count)
-        slots = tables[row, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
-        q, k, v = seqs[seq]
-        k_cache.view(-1, KV_HEADS, HEAD_DIM)[slots] = k[: start + count]
-        v_cache.view(-1, KV_HEADS, HEAD_DIM)[slots] = v[: start + count]
-        queries.append(q[start : start + count])
-    q_lens = [count for _, _, count in entries]
-    seq_lens = [start + count for _, start, count in entries]
-    meta = AttentionMetadata(
-        query_start=torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
-        query_lens_host=q_lens,
-        seq_lens_host=seq_lens,
-    )
-    out = ops.attention(torch.cat(queries), k_cache, v_cache, meta, HEAD_DIM**-0.5, window)
-    rows, at = {}, 0
-    for seq, start, count in entries:
-        for position in range(start, start + count):
-            rows[seq, position] = out[at]
-            at += 1
-    return rows
+def _step(ops, seqs: list[Sequence], entries: list[Entry], window: int | None = None) -> dict:
+    return attention_of_entries(ops, seqs, entries, BLOCK_SIZE, window)
 
 
 def _differing(got: dict, want: dict) -> list:
@@ -138,32 +99,12 @@ def test_a_150_token_prompt_gives_the_same_bits_chunked_at_37_64_130_as_decodes_
     seqs = _sequences([LONG, 91, 42], dtype)
     ops = TritonOps(batch_invariant=True)
     alone = _step(ops, seqs, [(0, 0, LONG)])
-    want = TorchOps().attention(seqs[0][0], *_cache_of(seqs[0]), HEAD_DIM**-0.5)
-    _close(torch.stack([alone[0, p] for p in range(LONG)]), want, dtype)
+    want = _step(TorchOps(), seqs, [(0, 0, LONG)])
+    _close(torch.stack(list(alone.values())), torch.stack(list(want.values())), dtype)
     for name, steps in SPLITS.items():
         for entries in steps:
             rows = {key: row for key, row in _step(ops, seqs, entries).items() if key[0] == 0}
             assert _differing(rows, alone) == [], name
-
-
-def _cache_of(seq: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple:
-    """(k_cache, v_cache, meta) of one sequence prefilled in one chunk, for the torch reference."""
-    q, k, v = seq
-    n = q.shape[0]
-    blocks = cdiv(n, BLOCK_SIZE)
-    k_cache = torch.zeros(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=k.dtype)
-    v_cache = torch.zeros_like(k_cache)
-    k_cache.view(-1, KV_HEADS, HEAD_DIM)[:n] = k
-    v_cache.view(-1, KV_HEADS, HEAD_DIM)[:n] = v
-    meta = AttentionMetadata(
-        query_start=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-        slot_mapping=torch.arange(n),
-        query_lens_host=[n],
-        seq_lens_host=[n],
-    )
-    return k_cache, v_cache, meta
 
 
 def test_a_decode_split_into_segments_differs_from_its_chunk_by_default_and_not_when_invariant() -> None:
@@ -184,9 +125,8 @@ def test_under_a_40_token_window_a_chunked_prompt_and_its_decodes_keep_the_one_c
     seqs = _sequences([LONG, 91], torch.float32)
     ops = TritonOps(batch_invariant=True)
     alone = _step(ops, seqs, [(0, 0, LONG)], window=40)
-    k_cache, v_cache, meta = _cache_of(seqs[0])
-    want = TorchOps().attention(seqs[0][0], k_cache, v_cache, meta, HEAD_DIM**-0.5, 40)
-    _close(torch.stack([alone[0, p] for p in range(LONG)]), want, torch.float32)
+    want = _step(TorchOps(), seqs, [(0, 0, LONG)], window=40)
+    _close(torch.stack(list(alone.values())), torch.stack(list(want.values())), torch.float32)
     for entries in ([(0, 0, 70)], [(1, 0, 91), (0, 70, 79)], [(0, 149, 1), (1, 90, 1)]):
         rows = {key: row for key, row in _step(ops, seqs, entries, window=40).items() if key[0] == 0}
         assert _differing(rows, alone) == []
