@@ -59,7 +59,7 @@ HOST_WAIT_GOAL = 0.10  # the most of a step's wall time the GPU may spend waitin
 SPIN_MS = 30.0  # GPU spin ahead of each probed pass: longer than the host takes to launch one
 
 
-def random_model(w: Workload, dtype: torch.dtype, device: torch.device) -> DecoderModel:
+def random_model(w: Workload, dtype: torch.dtype, device: torch.device, batch_invariant: bool = False) -> DecoderModel:
     head_dim = w.hidden // w.heads
     config = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=w.vocab, hidden_size=w.hidden, intermediate_size=w.ffn,
@@ -88,7 +88,7 @@ def random_model(w: Workload, dtype: torch.dtype, device: torch.device) -> Decod
             p + "mlp.up_proj.weight": weight(w.ffn, w.hidden),
             p + "mlp.down_proj.weight": weight(w.hidden, w.ffn),
         }
-    return DecoderModel(config, weights, TritonOps())
+    return DecoderModel(config, weights, TritonOps(batch_invariant=batch_invariant))
 
 
 def prompts(w: Workload) -> list[list[int]]:

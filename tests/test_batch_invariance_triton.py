@@ -23,7 +23,7 @@ from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.kernels.triton import lora as triton_lora
 from batchprefill.kernels.triton import moe as triton_moe
 from batchprefill.kernels.triton import ops as triton_ops
-from batchprefill.kernels.triton.matmul import invariant_linear
+from batchprefill.kernels.triton.matmul import _linear_kernel, invariant_linear
 from batchprefill.kernels.triton.ops import TritonOps
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
@@ -57,6 +57,12 @@ def test_a_row_of_the_invariant_linear_is_the_same_among_1_5_33_or_90_rows_and_i
         assert torch.equal(invariant_linear(x[order], weight, bias), full[order])
     assert torch.equal(invariant_linear(x.view(9, 10, 100), weight, bias), full.view(9, 10, 70))
     assert invariant_linear(x[:0], weight, bias).shape == (0, 70)
+
+
+def test_the_row_count_is_not_specialized_so_one_compiled_linear_serves_every_batch() -> None:
+    """Triton would otherwise compile M == 1 and M % 16 == 0 apart: another variant, perhaps other code."""
+    declared = _linear_kernel.kwargs if hasattr(_linear_kernel, "kwargs") else vars(_linear_kernel)
+    assert "M" in declared["do_not_specialize"] and "M" in declared["do_not_specialize_on_alignment"]
 
 
 # Attention: a step computes, for each entry (sequence, first position, count), the queries of those positions over

@@ -160,7 +160,7 @@ def fused_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: to
     per_slot = out.view(num_tokens, top_k, hidden_size)
     if not batch_invariant:
         return per_slot.sum(dim=1)
-    total = per_slot[:, 0].float()
-    for slot in range(1, top_k):
+    total = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
+    for slot in range(top_k):
         total += per_slot[:, slot]
     return total.to(hidden.dtype)
