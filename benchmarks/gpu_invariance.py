@@ -16,7 +16,6 @@ on the default path (how many rows differ there):
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 import gpu_e2e
@@ -25,13 +24,11 @@ import torch.nn.functional as F
 
 from batchprefill.engine.config import EngineConfig, EngineSettings
 from batchprefill.engine.engine import Engine
-from batchprefill.engine.request import Request
 from batchprefill.kernels.experts import ExpertWeights
 from batchprefill.kernels.triton.matmul import invariant_linear
 from batchprefill.kernels.triton.moe import fused_experts
 from batchprefill.kernels.triton.ops import TritonOps
 from batchprefill.model.moe import route
-from batchprefill.sampling_params import SamplingParams
 from tests.synthetic import attention_of_entries, random_sequences
 
 
@@ -206,11 +203,7 @@ def _engine_runs(s: Sizes, device: torch.device) -> list[dict]:
                 dtype,
                 device,
             )
-            requests = [
-                Request(i, p, SamplingParams(max_tokens=w.max_tokens, ignore_eos=True, logprobs=0))
-                for i, p in enumerate(prompts)
-            ]
-            finished, wall = _timed(engine, requests, device)
+            finished, wall = gpu_e2e.generate(engine, w, prompts, device, logprobs=0)
             outputs.append({r.request_id: (r.output_token_ids, r.output_logprobs) for r in finished})
             walls.append(wall)
         one, many = outputs[0], outputs[1]
@@ -220,16 +213,6 @@ def _engine_runs(s: Sizes, device: torch.device) -> list[dict]:
         rows.append(_row(name, invariant, differing, len(prompts), diff) | {"warm_wall_s": round(walls[-1], 3)})
         del model
     return rows
-
-
-def _timed(engine: Engine, requests: list[Request], device: torch.device) -> tuple[list[Request], float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    finished = list(engine.generate(requests))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return finished, time.perf_counter() - start
 
 
 def run(smoke: bool, device: torch.device) -> list[dict]:

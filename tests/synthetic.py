@@ -7,7 +7,9 @@ from itertools import accumulate
 import torch
 
 from batchprefill.intmath import cdiv
-from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.kernels.interface import AttentionMetadata, Ops
+from batchprefill.model.config import ModelConfig
+from batchprefill.model.decoder import DecoderModel
 
 SPARE_BLOCKS = 3  # pool blocks no sequence owns, so a wrong table lookup reads foreign data
 
@@ -95,3 +97,26 @@ def attention_of_entries(ops, seqs: list[Sequence], entries: list[Entry], block_
     out = ops.attention(torch.cat(queries), k_cache, v_cache, meta, head_dim**-0.5, window)
     keys = [(seq, position) for seq, start, count in entries for position in range(start, start + count)]
     return dict(zip(keys, out, strict=True))
+
+
+LAYER_SHAPES = {
+    "input_layernorm.weight": (64,), "post_attention_layernorm.weight": (64,),
+    "self_attn.q_proj.weight": (64, 64), "self_attn.k_proj.weight": (32, 64), "self_attn.v_proj.weight": (32, 64),
+    "self_attn.o_proj.weight": (64, 64), "mlp.gate_proj.weight": (96, 64), "mlp.up_proj.weight": (96, 64),
+    "mlp.down_proj.weight": (64, 96),
+}
+
+
+def tiny_llama(ops: Ops, num_layers: int = 1, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> DecoderModel:
+    """A random Llama of hidden size 64, 4 query heads over 2 KV heads of 16, a 50-token vocabulary."""
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=num_layers,
+        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+        max_positions=128, tie_word_embeddings=False, qkv_bias=False, eos_token_ids=(0,),
+    )
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"model.embed_tokens.weight": (50, 64), "lm_head.weight": (50, 64), "model.norm.weight": (64,)}
+    shapes |= {f"model.layers.{i}.{name}": shape for i in range(num_layers) for name, shape in LAYER_SHAPES.items()}
+    weights = {name: (0.3 * torch.randn(shape, generator=gen)).to(dtype).to(device) for name, shape in shapes.items()}
+    return DecoderModel(config, weights, ops)

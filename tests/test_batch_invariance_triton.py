@@ -25,11 +25,9 @@ from batchprefill.kernels.triton import moe as triton_moe
 from batchprefill.kernels.triton import ops as triton_ops
 from batchprefill.kernels.triton.matmul import _linear_kernel, invariant_linear
 from batchprefill.kernels.triton.ops import TritonOps
-from batchprefill.model.config import ModelConfig
-from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.moe import route
 from batchprefill.sampling_params import SamplingParams
-from tests.synthetic import Entry, Sequence, attention_of_entries, random_sequences
+from tests.synthetic import Entry, Sequence, attention_of_entries, random_sequences, tiny_llama
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # bf16: the interpreter's casts truncate
@@ -231,48 +229,6 @@ def test_an_invariant_moe_token_gives_the_same_bits_among_1_or_23_tokens_and_in_
     assert torch.equal(ops.moe(x[order], experts, weights[order], ids[order]), full[order])
 
 
-LAYER_SHAPES = {
-    "input_layernorm.weight": (64,),
-    "post_attention_layernorm.weight": (64,),
-    "self_attn.q_proj.weight": (64, 64),
-    "self_attn.k_proj.weight": (32, 64),
-    "self_attn.v_proj.weight": (32, 64),
-    "self_attn.o_proj.weight": (64, 64),
-    "mlp.gate_proj.weight": (96, 64),
-    "mlp.up_proj.weight": (96, 64),
-    "mlp.down_proj.weight": (64, 96),
-}
-
-
-def _tiny_model(dtype: torch.dtype) -> DecoderModel:
-    """Two Llama layers (so a position's attention output reaches the next layer's keys, which every later token
-    reads), 4 query heads over 2 KV heads of 16, a 50-token vocabulary: random weights."""
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=50,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_positions=128,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-        eos_token_ids=(0,),
-    )
-    gen = torch.Generator().manual_seed(7)
-    shapes = {"model.embed_tokens.weight": (50, 64), "lm_head.weight": (50, 64), "model.norm.weight": (64,)}
-    shapes |= {f"model.layers.{i}.{name}": shape for i in range(2) for name, shape in LAYER_SHAPES.items()}
-    weights = {name: (0.3 * torch.randn(shape, generator=gen)).to(dtype) for name, shape in shapes.items()}
-    # 16-token KV tiles and segments: the default splits any decode context of 17 tokens or more and merges it.
-    ops = TritonOps(block_n=16, decode_min_segment=16, decode_target_programs=64, batch_invariant=True)
-    return DecoderModel(config, weights, ops)
-
-
 def test_an_engine_on_invariant_triton_gives_the_same_logprobs_at_any_batch_size_chunk_budget_or_decode_path():
     """Three prompts (33, 26 and 5 tokens, the second sharing the first's first 24), 6 greedy tokens each, with
     their logprobs: one sequence at a time with 8-token chunks, four at a time with 64, and four at a time through
@@ -280,9 +236,11 @@ def test_an_engine_on_invariant_triton_gives_the_same_logprobs_at_any_batch_size
     without batch_invariant fails this: 33 tokens in 8-token chunks leave a 1-token chunk, which the default runs
     as a split decode. (float32 only: at this size bfloat16's rounding hides that difference, and the interpreter
     runs bfloat16 dots in float32 anyway.)"""
-    dtype = torch.float32
     prompts = [list(range(7, 40)), list(range(7, 31)) + [5, 6], [9] * 5]
-    model = _tiny_model(dtype)
+    # Two layers, so a position's attention output reaches the next layer's keys, which every later token reads;
+    # 16-token KV tiles and segments: the default splits any decode context of 17 tokens or more and merges it.
+    ops = TritonOps(block_n=16, decode_min_segment=16, decode_target_programs=64, batch_invariant=True)
+    model = tiny_llama(ops, num_layers=2)
     runs = []
     for max_num_seqs, max_batched_tokens, padded in ((1, 8, "off"), (4, 64, "off"), (4, 16, "eager")):
         settings = EngineSettings(block_size=8, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs)
@@ -291,7 +249,7 @@ def test_an_engine_on_invariant_triton_gives_the_same_logprobs_at_any_batch_size
             EngineConfig(settings, num_blocks=64, padded_decode=padded),
             lambda ids: "",
             ("tiny",),
-            dtype,
+            torch.float32,
             torch.device("cpu"),
         )
         sampling = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
