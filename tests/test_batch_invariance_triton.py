@@ -241,7 +241,7 @@ def test_an_engine_on_invariant_triton_gives_the_same_logprobs_at_any_batch_size
     # 16-token KV tiles and segments: the default splits any decode context of 17 tokens or more and merges it.
     ops = TritonOps(block_n=16, decode_min_segment=16, decode_target_programs=64, batch_invariant=True)
     model = tiny_llama(ops, num_layers=2)
-    runs = []
+    runs, cached = [], []
     for max_num_seqs, max_batched_tokens, padded in ((1, 8, "off"), (4, 64, "off"), (4, 16, "eager")):
         settings = EngineSettings(block_size=8, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs)
         engine = Engine(
@@ -255,5 +255,7 @@ def test_an_engine_on_invariant_triton_gives_the_same_logprobs_at_any_batch_size
         sampling = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
         requests = [Request(i, p, sampling) for i, p in enumerate(prompts)]
         runs.append({r.request_id: (r.output_token_ids, r.output_logprobs) for r in engine.generate(requests)})
+        cached.append(sum(r.num_cached_tokens for r in requests))
     assert runs[0] == runs[1] == runs[2]
+    assert cached == [24, 24, 24]  # the second prompt reads the first's three blocks in every run
     assert all(len(tokens) == len(logprobs) == 6 for tokens, logprobs in runs[0].values())
