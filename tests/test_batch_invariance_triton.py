@@ -229,33 +229,38 @@ def test_an_invariant_moe_token_gives_the_same_bits_among_1_or_23_tokens_and_in_
     assert torch.equal(ops.moe(x[order], experts, weights[order], ids[order]), full[order])
 
 
-def test_an_engine_on_invariant_triton_gives_the_same_logprobs_at_any_batch_size_chunk_budget_or_decode_path():
+# (max_num_seqs, max_batched_tokens, padded decode, pool blocks); the 7-block pool, with output blocks not reserved
+# at admission, preempts one request, whose decoded tokens are then recomputed as a prompt.
+ENGINE_RUNS = [(1, 8, "off", 64), (4, 64, "off", 64), (4, 16, "eager", 64), (4, 64, "off", 7)]
+
+
+def test_an_engine_on_invariant_triton_gives_the_same_logprobs_whatever_the_batch_chunks_decode_path_or_preemption():
     """Three prompts (33, 26 and 5 tokens, the second sharing the first's first 24), 6 greedy tokens each, with
-    their logprobs: one sequence at a time with 8-token chunks, four at a time with 64, and four at a time through
-    the padded decode buffers a CUDA graph replays; every token and logprob is bitwise the same. The same engine
-    without batch_invariant fails this: 33 tokens in 8-token chunks leave a 1-token chunk, which the default runs
-    as a split decode. (float32 only: at this size bfloat16's rounding hides that difference, and the interpreter
-    runs bfloat16 dots in float32 anyway.)"""
+    their logprobs: one sequence at a time with 8-token chunks, four at a time with 64, four at a time through the
+    padded decode buffers a CUDA graph replays, and four at a time in a pool so small that one is preempted; every
+    token and logprob is bitwise the same. The same engine without batch_invariant gives other bits in all but the
+    second run (checked when this test was written): 8- and 16-token budgets leave 1-token chunks, which the default
+    runs as split decodes, and the preempted request's decoded tokens are recomputed by the prefill kernel.
+    (float32 only: at this size bfloat16's rounding hides the differences, and the interpreter runs bfloat16 dots in
+    float32 anyway.)"""
     prompts = [list(range(7, 40)), list(range(7, 31)) + [5, 6], [9] * 5]
     # Two layers, so a position's attention output reaches the next layer's keys, which every later token reads;
     # 16-token KV tiles and segments: the default splits any decode context of 17 tokens or more and merges it.
     ops = TritonOps(block_n=16, decode_min_segment=16, decode_target_programs=64, batch_invariant=True)
     model = tiny_llama(ops, num_layers=2)
-    runs, cached = [], []
-    for max_num_seqs, max_batched_tokens, padded in ((1, 8, "off"), (4, 64, "off"), (4, 16, "eager")):
-        settings = EngineSettings(block_size=8, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs)
-        engine = Engine(
-            model,
-            EngineConfig(settings, num_blocks=64, padded_decode=padded),
-            lambda ids: "",
-            ("tiny",),
-            torch.float32,
-            torch.device("cpu"),
+    runs, cached, preempted = [], [], []
+    for max_num_seqs, max_batched_tokens, padded, num_blocks in ENGINE_RUNS:
+        settings = EngineSettings(
+            block_size=8, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, reserve_output_blocks=False
         )
+        config = EngineConfig(settings, num_blocks=num_blocks, padded_decode=padded)
+        engine = Engine(model, config, lambda ids: "", ("tiny",), torch.float32, torch.device("cpu"))
         sampling = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
         requests = [Request(i, p, sampling) for i, p in enumerate(prompts)]
         runs.append({r.request_id: (r.output_token_ids, r.output_logprobs) for r in engine.generate(requests)})
         cached.append(sum(r.num_cached_tokens for r in requests))
-    assert runs[0] == runs[1] == runs[2]
-    assert cached == [24, 24, 24]  # the second prompt reads the first's three blocks in every run
+        preempted.append(engine.scheduler.preemptions)
+    assert runs[0] == runs[1] == runs[2] == runs[3]
+    assert cached[:3] == [24, 24, 24]  # the second prompt reads the first's three blocks
+    assert preempted == [0, 0, 0, 1]
     assert all(len(tokens) == len(logprobs) == 6 for tokens, logprobs in runs[0].values())
