@@ -7,10 +7,11 @@ In order: correctness (every kernel against TorchOps at Llama-3-8B's shape (32 q
 head dim 128) and at the shipped SmolLM2's (9 and 3, head dim 64), long chunks on 128-row tiles, a
 replayed CUDA graph against the eager forward on the same buffers), the device's copy and matmul
 ceilings, the prefill and decode kernel tables against PyTorch's SDPA, then the end-to-end engine
-(gpu_e2e.py). Each section that fails is recorded and the next one still runs; the results file is
-rewritten after every section, so a run cut short keeps what it measured. Timed kernels are warmed up,
-and L2 is flushed before every timed call. The smoke mode runs every step at toy sizes with wall-clock
-timing, only to prove the script works.
+(gpu_e2e.py); the batch-invariance checks (gpu_invariance.py) run after the correctness ones. Each
+section that fails is recorded and the next one still runs; the results file is rewritten after every
+section, so a run cut short keeps what it measured. Timed kernels are warmed up, and L2 is flushed before
+every timed call. The smoke mode runs every step at toy sizes with wall-clock timing, only to prove the
+script works.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is fir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu_e2e  # noqa: E402
+import gpu_invariance  # noqa: E402
 import gpu_moe  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -402,6 +404,10 @@ def main() -> None:
     print("correctness against TorchOps (bf16):")
     section("kernel_checks", lambda: check_kernels(plan, device, dtype, checker))
     section("graph_checks", lambda: check_decode_graph(plan, device, dtype, checker))
+    for row in section("invariance", lambda: gpu_invariance.run(args.smoke, device)) or []:
+        if row["invariant"]:  # the default path's rows are for the record
+            checker.rows.append({"check": f"batch-invariant {row['check']}", "max_err": row["max_diff"],
+                                 "ok": row["differing"] == 0})
     results["check_failures"] = checker.failures
     timer = Timer(device)
     ceilings = section("ceilings", lambda: measure_ceilings(plan, device, timer))

@@ -59,7 +59,7 @@ HOST_WAIT_GOAL = 0.10  # the most of a step's wall time the GPU may spend waitin
 SPIN_MS = 30.0  # GPU spin ahead of each probed pass: longer than the host takes to launch one
 
 
-def random_model(w: Workload, dtype: torch.dtype, device: torch.device) -> DecoderModel:
+def random_model(w: Workload, dtype: torch.dtype, device: torch.device, batch_invariant: bool = False) -> DecoderModel:
     head_dim = w.hidden // w.heads
     config = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=w.vocab, hidden_size=w.hidden, intermediate_size=w.ffn,
@@ -88,7 +88,7 @@ def random_model(w: Workload, dtype: torch.dtype, device: torch.device) -> Decod
             p + "mlp.up_proj.weight": weight(w.ffn, w.hidden),
             p + "mlp.down_proj.weight": weight(w.hidden, w.ffn),
         }
-    return DecoderModel(config, weights, TritonOps())
+    return DecoderModel(config, weights, TritonOps(batch_invariant=batch_invariant))
 
 
 def prompts(w: Workload) -> list[list[int]]:
@@ -109,8 +109,11 @@ def _engine(model: DecoderModel, w: Workload, rows: list[list[int]], caching: bo
     return Engine(model, config, lambda ids: "", ("random", str(dtype)), dtype, device)
 
 
-def _generate(engine: Engine, w: Workload, rows: list[list[int]], device: torch.device) -> tuple[list, float]:
-    requests = [Request(i, r, SamplingParams(max_tokens=w.max_tokens, ignore_eos=True)) for i, r in enumerate(rows)]
+def generate(engine: Engine, w: Workload, rows: list[list[int]], device: torch.device,
+             logprobs: int | None = None) -> tuple[list, float]:
+    """(finished requests, wall seconds) of `w.max_tokens` greedy tokens for each row."""
+    sampling = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True, logprobs=logprobs)
+    requests = [Request(i, r, sampling) for i, r in enumerate(rows)]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -199,13 +202,13 @@ def run(smoke: bool, device: torch.device) -> dict:
     rows = prompts(w)
     warm_workload = replace(w, prefixes=1, questions=min(w.questions, 8))
     for caching in (True, False):  # compile every kernel variant before the clock starts
-        _generate(_engine(model, warm_workload, prompts(warm_workload), caching, dtype, device), warm_workload,
+        generate(_engine(model, warm_workload, prompts(warm_workload), caching, dtype, device), warm_workload,
                   prompts(warm_workload), device)
     runs, timed_steps = [], {}
     for repeat in (1, 2):
         for caching in (True, False):
             engine = _engine(model, w, rows, caching, dtype, device)
-            finished, wall = _generate(engine, w, rows, device)
+            finished, wall = generate(engine, w, rows, device)
             prefill, output = engine.counters.prefill_tokens, sum(len(r.output_token_ids) for r in finished)
             runs.append({"prefix_caching": caching, "repeat": repeat, "requests": len(rows),
                          "prompt_tokens": sum(map(len, rows)), "computed_prompt_tokens": prefill,
@@ -223,7 +226,7 @@ def run(smoke: bool, device: torch.device) -> dict:
             continue
         probed = _engine(model, w, rows, caching, dtype, device)
         timer = GpuTimer(probed, device)
-        _generate(probed, w, rows, device)
+        generate(probed, w, rows, device)
         timer.restore()
         wait = _host_wait(timed_steps[caching], timer.gpu_ms_per_step(), len(probed.counters.steps))
         host_wait[f"caching_{'on' if caching else 'off'}"] = wait | {"passes_longer_than_spin": timer.uncovered}

@@ -15,10 +15,8 @@ from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.kernels.triton.attention import _decode_kernel, _merge_kernel, _prefill_kernel
 from batchprefill.kernels.triton.ops import TritonOps, prefill_warps_and_stages
-from batchprefill.model.config import ModelConfig
-from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.rope import rope_cos_sin
-from tests.synthetic import random_paged_batch
+from tests.synthetic import random_paged_batch, tiny_llama
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # bf16: interpreter casts truncate
@@ -175,28 +173,11 @@ def test_arguments_that_change_every_step_are_not_specialized() -> None:
         assert names <= set(declared["do_not_specialize_on_alignment"])
 
 
-def _tiny_decoder(device: torch.device) -> DecoderModel:
-    config = ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=1,
-        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-        max_positions=128, tie_word_embeddings=False, qkv_bias=False, eos_token_ids=(0,),
-    )
-    gen = torch.Generator().manual_seed(7)
-    shapes = {"model.embed_tokens.weight": (50, 64), "lm_head.weight": (50, 64), "model.norm.weight": (64,),
-              "model.layers.0.input_layernorm.weight": (64,), "model.layers.0.post_attention_layernorm.weight": (64,),
-              "model.layers.0.self_attn.q_proj.weight": (64, 64), "model.layers.0.self_attn.k_proj.weight": (32, 64),
-              "model.layers.0.self_attn.v_proj.weight": (32, 64), "model.layers.0.self_attn.o_proj.weight": (64, 64),
-              "model.layers.0.mlp.gate_proj.weight": (96, 64), "model.layers.0.mlp.up_proj.weight": (96, 64),
-              "model.layers.0.mlp.down_proj.weight": (64, 96)}
-    weights = {name: (0.3 * torch.randn(shape, generator=gen)).to(device) for name, shape in shapes.items()}
-    return DecoderModel(config, weights, TritonOps())
-
-
 def test_padded_decode_of_3_then_2_rows_matches_the_unpadded_forward_despite_stale_buffers() -> None:
     """The fixed buffers a CUDA graph replays: a batch of 3 padded to 4 with 5-block tables, then a batch
     of 2 with 2-block tables over the first step's leftovers, each against the plain forward."""
     device = torch.device("cpu")
-    model = _tiny_decoder(device)
+    model = tiny_llama(TritonOps())
     gen = torch.Generator().manual_seed(8)
     caches = [(torch.randn(12, 8, 2, 16, generator=gen), torch.randn(12, 8, 2, 16, generator=gen))]
     decoder = PaddedDecode(model, caches, block_size=8, max_num_seqs=4, device=device, capture=False)

@@ -3,6 +3,18 @@
 Kernels read sequence lengths and offsets from the device; host copies only size grids, so a decode
 launch sized for longer contexts than the real ones still computes the right thing, and splits each
 context into segments from its true length.
+
+Batch invariance (`engine.batch_invariant`, `TritonOps`): the prefill kernel walks a query row's keys in
+`BLOCK_N` tiles at absolute positions from 0 (from the window's tile under a window), so with BLOCK_M and
+BLOCK_N fixed a row's online softmax is one fixed sequence of tile updates whatever chunk or tile it sits in.
+A tile the row cannot see at all leaves its state exactly as it was (its scores are -inf: the maximum, the
+sum and the accumulator come out unchanged), so the tiles a neighbour row adds to the walk change nothing.
+What can still differ is the arithmetic of a tile the row sees in full: it runs unmasked or masked depending
+on where its tile's first row sits, and on a GPU the two variants need not round alike (a select between the
+scale and the exponent may keep the compiler from fusing them). `MASK_ALL` masks every tile, so there is one
+variant. The decode kernel's tiles (a GQA group's heads as the rows, segments, a window's first tile at
+`seq_len - window`) differ from the prefill kernel's, so an invariant step sends its decodes through the
+prefill kernel too, as 1-row tiles.
 """
 
 from __future__ import annotations
@@ -81,10 +93,11 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_table,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SLIDING: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, MASK_ALL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one sequence, one query head, over all KV it may see.
-    `tile_map` is [tiles, 2] (sequence, tile index in it), one pointer whose alignment never changes."""
+    `tile_map` is [tiles, 2] (sequence, tile index in it), one pointer whose alignment never changes.
+    MASK_ALL masks every KV tile, so a row's arithmetic does not depend on its tile's first row."""
     tile = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.load(tile_map_ptr + 2 * tile)
@@ -118,6 +131,9 @@ def _prefill_kernel(
     if SLIDING:
         lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
         unmasked_end = lo
+    elif MASK_ALL:
+        lo = 0
+        unmasked_end = 0
     else:
         lo = 0
         unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
@@ -280,8 +296,10 @@ def prefill_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, tile_map: torch.Tensor,
     scale: float, block_m: int, block_n: int, num_warps: int, num_stages: int, window: int | None = None,
+    mask_all: bool = False,
 ) -> None:
-    """Launch the prefill kernel; `tile_map` [tiles, 2] holds each tile's sequence and index in it."""
+    """Launch the prefill kernel; `tile_map` [tiles, 2] holds each tile's sequence and index in it.
+    `mask_all` masks every KV tile (batch-invariant steps)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     upcast, precision = dot_settings(query.dtype)
     grid = (tile_map.shape[0], num_heads)
@@ -290,8 +308,8 @@ def prefill_attention(
         scale * LOG2E, k_cache.shape[1], head_dim, window or 0, *query.stride(), *out.stride(),
         *_cache_strides(k_cache, v_cache), block_tables.stride(0),
         GROUP=num_heads // k_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), SLIDING=window is not None, UPCAST=upcast, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_D=triton.next_power_of_2(head_dim), SLIDING=window is not None, MASK_ALL=mask_all, UPCAST=upcast,
+        DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
     )
 
 

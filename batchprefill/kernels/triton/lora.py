@@ -100,15 +100,30 @@ def _lora_kernel(
         tl.store(where, (y + delta).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def segmented_lora(out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, step: LoraStep) -> None:
-    """The Triton `Ops.lora`: same contract and result as `kernels.lora.torch_lora`."""
+def _block_m(longest: int, batch_invariant: bool = False) -> int:
+    """Tokens per program: from the longest segment, so a decode step's 1-token segments do not fill 64-row tiles.
+    Batch-invariant steps take 32 whatever the step: on a GPU the tile's row count decides how `tl.dot` is laid
+    out, and with it how a row's shrink sums are ordered (the rank and the splits follow the adapters, not the step).
+    The interpreter takes the smallest tile."""
+    if interpreting():
+        return MIN_DOT
+    if batch_invariant:
+        return 32
+    return MIN_DOT if longest <= 16 else 32 if longest <= 64 else 64
+
+
+def segmented_lora(
+    out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, step: LoraStep, batch_invariant: bool = False
+) -> None:
+    """The Triton `Ops.lora`: same contract and result as `kernels.lora.torch_lora`; `batch_invariant` fixes the
+    tile (`_block_m`)."""
     a, b, ranks = weights.stacked()
     x = x.contiguous()
     if out.stride(1) != 1:
         raise ValueError("the projection's output must be contiguous in its columns")
     upcast = interpreting()
     precision = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
-    block_m = MIN_DOT if upcast or step.longest <= 16 else 32 if step.longest <= 64 else 64
+    block_m = _block_m(step.longest, batch_invariant)
     block_r = max(MIN_DOT, triton.next_power_of_2(a.shape[1]))
     block_k, block_n = (32, 32) if upcast else (64 if block_r <= 64 else 32, 64)
     splits = 2 if upcast else 8

@@ -115,15 +115,22 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tu
     return sorted_pairs, tile_experts
 
 
-def _block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per tile: small when each expert gets few rows (decode), so padding does not dominate."""
+def _block_m(num_pairs: int, num_experts: int, batch_invariant: bool = False) -> int:
+    """Rows per tile: small when each expert gets few rows (decode), so padding does not dominate. Batch-invariant
+    steps take 32 rows whatever the step (the middle of the three; a GPU has not chosen): on a GPU the tile's row
+    count decides how `tl.dot` is laid out, and with it how a row's sums are ordered."""
+    if interpreting():
+        return 16
+    if batch_invariant:
+        return 32
     per_expert = num_pairs / num_experts
-    return 16 if per_expert <= 16 or interpreting() else 32 if per_expert <= 64 else 64
+    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
 
 
 def fused_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """The Triton `Ops.moe`: same contract and result as `torch_experts`."""
+                  topk_ids: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    """The Triton `Ops.moe`: same contract and result as `torch_experts`. `batch_invariant` fixes the tiles and
+    sums each token's experts in slot order (torch's reduction picks its own order from the shape)."""
     num_tokens, top_k = topk_ids.shape
     num_pairs, hidden_size, inter = num_tokens * top_k, hidden.shape[1], experts.intermediate_size
     if num_tokens == 0:
@@ -132,7 +139,7 @@ def fused_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: to
     gate_up, down = experts.stacked()
     if gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError("expert weights must be contiguous in their input dimension")
-    block_m = _block_m(num_pairs, experts.num_experts)
+    block_m = _block_m(num_pairs, experts.num_experts, batch_invariant)
     block_n, block_k = (32, 32) if interpreting() else (64, 64)
     sorted_pairs, tile_experts = sort_by_expert(topk_ids, experts.num_experts, block_m)
     upcast = interpreting()
@@ -150,4 +157,10 @@ def fused_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: to
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, DOT_PRECISION=precision,
     )
-    return out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    per_slot = out.view(num_tokens, top_k, hidden_size)
+    if not batch_invariant:
+        return per_slot.sum(dim=1)
+    total = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)
+    for slot in range(top_k):
+        total += per_slot[:, slot]
+    return total.to(hidden.dtype)

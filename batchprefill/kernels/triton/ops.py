@@ -23,6 +23,9 @@ from batchprefill.kernels.triton.lora import segmented_lora
 from batchprefill.kernels.triton.moe import fused_experts
 
 ALIGN = 4  # int32 entries: the decode rows start 16 bytes aligned inside the step's plan tensor
+# Query rows per prefill tile in a batch-invariant step, whatever the chunks: the tile the default picks for all
+# but long chunks (a decode then fills one row of it; see `TritonOps`).
+INVARIANT_BLOCK_M = 64
 
 
 @dataclass
@@ -43,6 +46,13 @@ class TritonOps:
     waits on the device. Tile sizes may be fixed for tests; by default they follow the batch shape. In a
     mixed step, chunks run through the prefill kernel and single-token rows through the decode kernel
     (in a 64-row prefill tile a decode would use 1/64 of the tile and read each KV head once per query head).
+
+    With `batch_invariant`, a row's bits must not depend on what shares its step, so nothing is chosen from the
+    step: prefill tiles are always `INVARIANT_BLOCK_M` rows, every KV tile is masked (`MASK_ALL`), and decodes go
+    through the prefill kernel as 1-row tiles, never split into segments. A position then comes out the same as
+    a decode, in any chunk, or after a preemption recomputes it as a prefill. It costs decodes the GQA sharing
+    (each query head reads its KV head on its own) and 63 idle rows per tile; the MoE and LoRA kernels keep
+    fixed tiles too.
     """
 
     graph_safe_decode = True  # decode grids depend only on the batch size and the planned longest context
@@ -51,13 +61,14 @@ class TritonOps:
                  decode_min_segment: int = 256, decode_target_programs: int | None = None,
                  batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
-        self.block_m = block_m
+        self.block_m = block_m or (INVARIANT_BLOCK_M if batch_invariant else None)
         self.block_n = block_n
         self.decode_min_segment = decode_min_segment
         self.decode_target_programs = decode_target_programs
         self._host: torch.Tensor | None = None  # persistent (pinned on CUDA) staging for the plan's one copy
         self._device: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None  # the last copy out of `_host`
+        self._single_tiles: torch.Tensor | None = None  # [n, 2] rows (i, 0): an invariant decode step's tiles
 
     def _block_n(self, dtype: torch.dtype) -> int:
         """KV tokens per tile; any size works, as each row finds its own block. Exact fp32 dots get half
@@ -80,10 +91,10 @@ class TritonOps:
 
     def moe(self, hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
             ) -> torch.Tensor:
-        return fused_experts(hidden, experts, topk_weights, topk_ids)
+        return fused_experts(hidden, experts, topk_weights, topk_ids, self.batch_invariant)
 
     def lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, step: LoraStep) -> None:
-        segmented_lora(out, x, weights, step)
+        segmented_lora(out, x, weights, step, self.batch_invariant)
 
     def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
@@ -98,7 +109,7 @@ class TritonOps:
             num_warps, num_stages = prefill_warps_and_stages(plan.block_m, query.shape[2])
             prefill_attention(
                 query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables, plan.tile_map,
-                scale, plan.block_m, block_n, num_warps, num_stages, window,
+                scale, plan.block_m, block_n, num_warps, num_stages, window, self.batch_invariant,
             )
         if plan.num_decodes:
             decode_attention(
@@ -116,6 +127,8 @@ class TritonOps:
         num_kv_heads, device = k_cache.shape[2], k_cache.device
         query_lens = np.asarray(meta.query_lens_host)
         seq_lens = np.asarray(meta.seq_lens_host)
+        if self.batch_invariant:
+            return meta.with_plan(self._invariant_plan(query_lens, seq_lens, device))
         chunks = np.flatnonzero(query_lens > 1)
         decodes = np.flatnonzero(query_lens == 1)
         block_m = self._choose_block_m(query_lens[chunks])
@@ -128,6 +141,27 @@ class TritonOps:
             tile_map = staged[: tiles.size].view(-1, 2)
             decode_rows = staged[offset : offset + len(decodes)] if len(decodes) else None
         return meta.with_plan(TritonPlan(tile_map, decode_rows, len(decodes), block_m, num_segments))
+
+    def _invariant_plan(self, query_lens: np.ndarray, seq_lens: np.ndarray, device: torch.device) -> TritonPlan:
+        """Every sequence tiled for the prefill kernel, decodes included. A decode-only step's tiles, one per
+        sequence, are a slice of a persistent device tensor: no copy, so a CUDA graph still captures it."""
+        if (query_lens == 1).all():
+            tile_map = self._one_tile_each(len(query_lens), device)
+        else:
+            seqs = np.flatnonzero(query_lens > 0)
+            tiles = _tile_map(query_lens[seqs], seq_lens[seqs], seqs, self.block_m)
+            tile_map = self._stage([tiles.ravel()], [0], tiles.size, device).view(-1, 2)
+        return TritonPlan(tile_map, None, 0, self.block_m, 1)
+
+    def _one_tile_each(self, count: int, device: torch.device) -> torch.Tensor:
+        """Rows (i, 0) for i < count, grown only outside a capture (the padded decode warms its largest size
+        first)."""
+        if self._single_tiles is None or self._single_tiles.shape[0] < count:
+            capacity = triton.next_power_of_2(count)
+            tiles = torch.zeros(capacity, 2, dtype=torch.int32, device=device)
+            tiles[:, 0] = torch.arange(capacity, dtype=torch.int32, device=device)
+            self._single_tiles = tiles
+        return self._single_tiles[:count]
 
     def _stage(self, parts: list[np.ndarray], offsets: list[int], size: int, device: torch.device) -> torch.Tensor:
         """Copy int32 `parts` to the device at `offsets` of one persistent buffer, in one non-blocking copy.
