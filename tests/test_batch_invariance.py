@@ -176,6 +176,22 @@ def tiny_folder(tmp_path_factory, model_folder) -> Path:
     return folder
 
 
+SMOL_SHAPED = dict(TINY, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                   head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def smol_shaped_folder(tmp_path_factory, model_folder) -> Path:
+    """Two random layers of SmolLM2-135M's shapes: where oneDNN's bfloat16 products change their bits with the
+    row count, so the default path really does move (the jobs below are checked to differ without the setting)."""
+    folder = tmp_path_factory.mktemp("smol-shaped")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMOL_SHAPED)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_folder / name, folder / name)
+    return folder
+
+
 def _prompts() -> list[list[int]]:
     """14 prompts over 3 shared prefixes of 5-150 tokens, with 1-100 tokens of their own (chunks over 128 rows)."""
     rng = random.Random(0)
@@ -257,8 +273,8 @@ def _job(data: Path, out: Path, *extra: str, env: dict | None = None) -> subproc
 
 
 def test_bfloat16_jobs_as_1_shard_as_3_merged_and_killed_then_resumed_give_the_same_bits(
-        tiny_folder, job_data, tmp_path):
-    model = f"model.path={tiny_folder}"
+        smol_shaped_folder, job_data, tmp_path):
+    model = f"model.path={smol_shaped_folder}"
     whole = _job(job_data, tmp_path / "whole", model)
     assert whole.returncode == 0, whole.stderr[-2000:]
     reference = _results(tmp_path / "whole")
@@ -267,7 +283,7 @@ def test_bfloat16_jobs_as_1_shard_as_3_merged_and_killed_then_resumed_give_the_s
         shard = _job(job_data, tmp_path / "sharded", model, "data.num_shards=3", f"data.shard_index={index}",
                      f"engine.max_num_seqs={index + 2}", "engine.max_batched_tokens=48")
         assert shard.returncode == 0, shard.stderr[-2000:]
-    merged = run_cli(["batchprefill-merge", f"output.dir={tmp_path / 'sharded'}", f"model.path={tiny_folder}"])
+    merged = run_cli(["batchprefill-merge", f"output.dir={tmp_path / 'sharded'}", model])
     assert merged.returncode == 0, merged.stderr[-2000:]
     assert _results(tmp_path / "sharded") == reference
     killed = _job(job_data, tmp_path / "resumed", model, "engine.max_num_seqs=5",
@@ -298,15 +314,16 @@ def _api_twice(data: pa.Table, columns: list[str], **config) -> tuple[list, list
 
 
 def _shared_prompts(count: int = 12) -> list[str]:
-    systems = ["You sort rocks by colour and answer in one word.", "You are a terse librarian who names one book."]
+    systems = ["You sort rocks by colour and answer in one word. " * 6,
+               "You are a terse librarian who names one book. " * 6]
     rocks = ["pebble", "granite", "basalt"]
     return [f"{systems[i % 2]}\nItem {i}: {rocks[i % 3]} number {i * 7}" for i in range(count)]
 
 
-def test_invariant_lora_rows_keep_their_bits_under_any_budget(tiny_folder, tmp_path, model_folder):
+def test_invariant_lora_rows_keep_their_bits_under_any_budget(smol_shaped_folder, tmp_path):
     from tests.lora_helpers import ALL_SEPARATE, save_adapter
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_folder)
+    base = transformers.AutoModelForCausalLM.from_pretrained(smol_shaped_folder)
     folders = {name: tmp_path / name for name in ("a1", "a2")}
     for seed, folder in enumerate(folders.values()):
         save_adapter(base, folder, seed, ALL_SEPARATE)
@@ -314,29 +331,33 @@ def test_invariant_lora_rows_keep_their_bits_under_any_budget(tiny_folder, tmp_p
     data = pa.table({"prompt": prompts, "adapter": [[None, "a1", "a2"][i % 3] for i in range(len(prompts))]})
     adapters = {f"+model.adapters.{name}": str(folder) for name, folder in folders.items()}
     busy, starved = _api_twice(data, ["output_token_ids", "output_logprobs"], model="hf",
-                               **{"model.path": str(tiny_folder), "data.adapter_column": "adapter",
+                               **{"model.path": str(smol_shaped_folder), "data.adapter_column": "adapter",
                                   "sampling.logprobs": 1, **adapters})
     assert busy == starved
 
 
 def test_invariant_expert_rows_keep_their_bits_under_any_budget(tmp_path, model_folder):
-    from tests.test_moe_families import save_tiny_moe
-
-    save_tiny_moe("qwen3_moe", tmp_path, model_folder)
+    """Qwen3-MoE with SmolLM2's attention shapes and 8 experts of width 256, top 2: each expert's rows change in
+    number with the budget."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(**{**SMOL_SHAPED, "intermediate_size": 512}, moe_intermediate_size=256,
+                                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    shutil.copy(model_folder / "tokenizer.json", tmp_path / "tokenizer.json")
     busy, starved = _api_twice(pa.table({"prompt": _shared_prompts()}), ["output_token_ids", "output_logprobs"],
                                model="hf", **{"model.path": str(tmp_path), "sampling.logprobs": 1})
     assert busy == starved
 
 
 @pytest.mark.parametrize("pooling", ["last", "mean"])
-def test_invariant_embeddings_keep_their_bits_under_any_budget(tiny_folder, pooling):
+def test_invariant_embeddings_keep_their_bits_under_any_budget(smol_shaped_folder, pooling):
     busy, starved = _api_twice(pa.table({"prompt": _shared_prompts()}), ["embedding"], model="hf", task="embed",
-                               **{"model.path": str(tiny_folder), "model.pooling": pooling})
-    assert busy == starved and len(busy[0][0]) == TINY["hidden_size"]
+                               **{"model.path": str(smol_shaped_folder), "model.pooling": pooling})
+    assert busy == starved and len(busy[0][0]) == SMOL_SHAPED["hidden_size"]
 
 
-def test_invariant_choice_scores_keep_their_bits_under_any_budget(tiny_folder):
+def test_invariant_choice_scores_keep_their_bits_under_any_budget(smol_shaped_folder):
     data = pa.table({"prompt": _shared_prompts(), "choices": [[" yes", " no", " maybe so"]] * 12})
     busy, starved = _api_twice(data, ["choice_logprobs"], model="hf", task="score",
-                               **{"model.path": str(tiny_folder)})
+                               **{"model.path": str(smol_shaped_folder)})
     assert busy == starved

@@ -68,6 +68,7 @@ class TorchOps:
     """Plain torch ops: the CPU path and the reference for the kernels."""
 
     graph_safe_decode = False  # its batched decode builds index tensors on the host
+    invariant_windows = False  # the C++ walks start at a block, not at a window's first key
 
     def __init__(self, native: bool = True, batch_invariant: bool = False):
         """`native`: decodes read the pool in place through the C++ kernel where it builds
