@@ -2,6 +2,7 @@
 
     python benchmarks/batch_invariance.py --out benchmarks/batch_invariance.json  # decode128, shared; f32, bf16
     python benchmarks/batch_invariance.py --rows 16 --dtypes bfloat16 --pairs 1   # a smoke test
+    python benchmarks/batch_invariance.py --reproducibility --out benchmarks/batch_invariance_rows.json
 
 For each precision and workload, `--pairs` alternating pairs of jobs (off, on, then on, off, ...), one at a time,
 so a drift of the machine's speed lands on both sides. The figure is the engine loop (the steps' summed
@@ -11,6 +12,10 @@ schedule does not depend on timing, so its runs take the same steps, and the rob
 fastest over the runs of a setting (`loop_fastest_steps`); the plain medians are kept beside it. The greedy
 agreement of the two settings' outputs is reported beside it: the same model, the same tokens on most rows, the
 bits of a few rows moved (which is what the setting stops).
+
+`--reproducibility` measures what the setting is for, as issue 25 did: 80 rows over shared prefixes, 48 greedy
+tokens each, run as configured, then with 5 sequences and 96 tokens a step, then in input order; it counts the
+rows whose tokens and logprobs equal the first run's, with the setting off and on.
 """
 
 from __future__ import annotations
@@ -43,6 +48,41 @@ def fastest_steps(runs: list[list[float]]) -> float:
     return sum(min(times) for times in zip(*runs))
 
 
+VARIANTS = {"max_num_seqs=5, max_batched_tokens=96": {"engine.max_num_seqs": 5, "engine.max_batched_tokens": 96},
+            "data.order=input": {"data.order": "input"}}
+
+
+def reproducibility(args, meta: dict) -> None:
+    """Identical rows against the default schedule, per precision and setting."""
+    import polars as pl
+
+    workload = wl.decode_heavy(48)
+    wl.finalize(workload, wl.token_ids(workload.prompts, compare.wl_folder()))
+    path = workload.write(args.work)
+    cases = []
+    for dtype in args.dtypes.split(","):
+        args.dtype = dtype
+        for setting in ("false", "true"):
+            outputs = []
+            for name, overrides in {"as configured": {}, **VARIANTS}.items():
+                label = f"rows-{dtype}-{setting}-{len(outputs)}"
+                print(f"  {label}: {name} ...", file=sys.stderr, flush=True)
+                compare.run_batchprefill(path, args.work, label, 48, compare.BIG_POOL, args,
+                                         **{"engine.batch_invariant": setting, "sampling.logprobs": 1,
+                                            "engine.max_num_seqs": 256, **overrides})
+                table = pl.read_parquet(args.work / f"bp-{label}" / "results").sort("id")
+                outputs.append(table.select("id", "output_token_ids", "output_logprobs").rows())
+            for name, rows in zip(VARIANTS, outputs[1:]):
+                same = sum(a == b for a, b in zip(outputs[0], rows))
+                tokens = sum(a[1] == b[1] for a, b in zip(outputs[0], rows))
+                cases.append({"dtype": dtype, "batch_invariant": setting == "true", "variant": name,
+                              "identical_rows": same, "identical_tokens": tokens, "rows": len(rows)})
+                print(f"{dtype} batch_invariant={setting} {name}: {same}/{len(rows)} rows identical (tokens "
+                      f"{tokens}/{len(rows)})", flush=True)
+                if args.out:
+                    args.out.write_text(json.dumps({"meta": meta, "cases": cases}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="write every figure as JSON here")
@@ -53,6 +93,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, help="keep only the first ROWS prompts of each workload")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    parser.add_argument("--reproducibility", action="store_true", help="count identical rows instead of timing")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     args.model = None
@@ -60,6 +101,9 @@ def main() -> None:
     model_name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "")
     meta = {"command": " ".join(sys.argv), "cpu": model_name, "threads": args.threads,
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if args.reproducibility:
+        reproducibility(args, meta)
+        return
     folder = compare.wl_folder()
     cases = []
     for workload in wl.all_workloads():
