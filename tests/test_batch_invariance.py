@@ -91,8 +91,8 @@ def _pool(dtype: torch.dtype, head_dim: int) -> tuple[torch.Tensor, torch.Tensor
     return k_cache, v_cache, tables, queries
 
 
-def _attend(ops: TorchOps, dtype: torch.dtype, step: list[tuple[int, int, int]], head_dim: int = 64
-            ) -> dict[tuple[int, int], torch.Tensor]:
+def _attend(ops: TorchOps, dtype: torch.dtype, step: list[tuple[int, int, int]], head_dim: int = 64,
+            window: int | None = None) -> dict[tuple[int, int], torch.Tensor]:
     """One step of (sequence, first query position, query count): each queried position's output."""
     k_cache, v_cache, tables, queries = _pool(dtype, head_dim)
     width = max(len(tables[s]) for s, _, _ in step) + 1
@@ -106,7 +106,7 @@ def _attend(ops: TorchOps, dtype: torch.dtype, step: list[tuple[int, int, int]],
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
         slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64), query_lens_host=q_lens, seq_lens_host=seq_lens)
     query = torch.cat([queries[s][first : first + count] for s, first, count in step])
-    out = ops.attention(query, k_cache, v_cache, meta, head_dim**-0.5)
+    out = ops.attention(query, k_cache, v_cache, meta, head_dim**-0.5, window)
     rows = [(s, first + j) for s, first, count in step for j in range(count)]
     return dict(zip(rows, out.unbind(0), strict=True))
 
@@ -117,21 +117,25 @@ def _invariant() -> TorchOps:
 
 
 @functools.cache
-def _whole(dtype: torch.dtype, head_dim: int = 64) -> dict[tuple[int, int], torch.Tensor]:
+def _whole(dtype: torch.dtype, head_dim: int = 64, window: int | None = None) -> dict[tuple[int, int], torch.Tensor]:
     """Every position's output from its whole prompt in one step, alone."""
     return {key: row for s, n in enumerate(SEQ_LENS)
-            for key, row in _attend(_invariant(), dtype, [(s, 0, n)], head_dim).items()}
+            for key, row in _attend(_invariant(), dtype, [(s, 0, n)], head_dim, window).items()}
 
 
+WINDOWS = [None, 40, 7]  # none; a window over blocks; one inside a block
+
+
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_invariant_attention_of_whole_prompts_matches_the_fused_path(dtype, head_dim):
+def test_invariant_attention_of_whole_prompts_matches_the_fused_path(dtype, head_dim, window):
     """The reference the next test holds every step to is itself right: within rounding of torch's fused
-    attention over the same prompts."""
+    attention over the same prompts (under a sliding window of 40 or 7 keys too)."""
     fused = {key: row for s, n in enumerate(SEQ_LENS)
-             for key, row in _attend(TorchOps(), dtype, [(s, 0, n)], head_dim).items()}
+             for key, row in _attend(TorchOps(), dtype, [(s, 0, n)], head_dim, window).items()}
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    whole = _whole(dtype, head_dim)
+    whole = _whole(dtype, head_dim, window)
     assert all(torch.allclose(whole[key].float(), row.float(), atol=tolerance) for key, row in fused.items())
 
 
@@ -148,13 +152,14 @@ def steps(draw) -> list[tuple[int, int, int]]:
     return step
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(dtype=st.sampled_from(DTYPES), head_dim=st.sampled_from(HEAD_DIMS), step=steps())
-def test_invariant_attention_gives_every_position_its_whole_prompt_bits_in_any_step(dtype, head_dim, step):
-    """Whatever shares the step, however the prompt was chunked, decode or prefill: the bits of the position
-    computed in one pass over its whole prompt, alone."""
-    got = _attend(_invariant(), dtype, step, head_dim)
-    differ = [key for key, row in got.items() if not torch.equal(row, _whole(dtype, head_dim)[key])]
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(DTYPES), head_dim=st.sampled_from(HEAD_DIMS), window=st.sampled_from(WINDOWS),
+       step=steps())
+def test_invariant_attention_gives_every_position_its_whole_prompt_bits_in_any_step(dtype, head_dim, window, step):
+    """Whatever shares the step, however the prompt was chunked, decode or prefill, under a window or not: the
+    bits of the position computed in one pass over its whole prompt, alone."""
+    got = _attend(_invariant(), dtype, step, head_dim, window)
+    differ = [key for key, row in got.items() if not torch.equal(row, _whole(dtype, head_dim, window)[key])]
     assert not differ, f"{len(differ)} of {len(got)} positions differ, first {differ[0]}"
 
 
@@ -221,25 +226,33 @@ VARIANTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def windowed_folder(tmp_path_factory, model_folder) -> Path:
+    """The tiny model as Mistral with a 24-token sliding window: shorter than every prompt."""
+    folder = tmp_path_factory.mktemp("tiny-mistral")
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(**TINY, sliding_window=24)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_folder / name, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("windowed", [False, True], ids=["llama", "mistral-window-24"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_an_invariant_engine_gives_every_row_the_same_bits_under_any_budget_order_and_pool(tiny_folder, dtype):
+def test_an_invariant_engine_gives_every_row_the_same_bits_under_any_budget_order_and_pool(
+        tiny_folder, windowed_folder, dtype, windowed):
+    folder = windowed_folder if windowed else tiny_folder
     order = list(range(14))
-    baseline = _generate(tiny_folder, dtype, True, order)
+    baseline = _generate(folder, dtype, True, order)
     for name, variant in VARIANTS.items():
         variant = dict(variant)
         shuffled = order[:]
         if variant.pop("shuffle", False):
             random.Random(1).shuffle(shuffled)
-        got = _generate(tiny_folder, dtype, True, shuffled, **variant)
+        got = _generate(folder, dtype, True, shuffled, **variant)
         differ = [i for i in order if got[i] != baseline[i]]
         assert not differ, f"{name}: rows {differ} differ"
-
-
-def test_a_sliding_window_model_under_batch_invariance_is_refused_naming_the_setting(tmp_path, model_folder):
-    config = transformers.MistralConfig(**{**TINY, "sliding_window": 8})
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(Exception, match="engine.batch_invariant=true does not cover sliding-window attention"):
-        load_model(tmp_path, torch.float32, torch.device("cpu"), TorchOps(batch_invariant=True))
 
 
 # ---- jobs --------------------------------------------------------------------------------------------------------

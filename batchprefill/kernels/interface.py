@@ -50,7 +50,6 @@ class Ops(Protocol):
 
     graph_safe_decode: bool  # a decode-only step launches fixed grids with no host sync: CUDA graphs can replay it
     batch_invariant: bool  # each row's results do not depend on what shares its step (engine.batch_invariant)
-    invariant_windows: bool  # and that holds for sliding-window layers too
 
     def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
              ) -> AttentionMetadata:

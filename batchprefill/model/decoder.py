@@ -44,9 +44,6 @@ class DecoderModel(torch.nn.Module):
         self.score_head = ScoreHead(weights) if config.head == SCORE else None
         self.layers: list[Layer] = [family.layer(weights, i, config) for i in range(config.num_layers)]
         self.windows = [config.window(i) for i in range(config.num_layers)]
-        if ops.batch_invariant and not ops.invariant_windows and any(window is not None for window in self.windows):
-            raise ValueError("engine.batch_invariant=true does not cover sliding-window attention on the CPU yet (this "
-                             "model's local layers); run it with engine.batch_invariant=false, or on a GPU")
         self.rotary_dim = config.rotary_dim or config.head_dim
         tables: dict[tuple[float, bool], torch.Tensor] = {}  # one table per RoPE base, shared by its layers
         self.cos_sin = []

@@ -53,6 +53,7 @@ class PagedPlan:
     own_lens: torch.Tensor  # [members] int64
     fixed_order: bool = False  # batch-invariant: every row's keys in one order, whatever its set (`plan_every_row`)
     lane_lengths: torch.Tensor | None = None  # [members] int64: tokens of its set's shared walk each member sees
+    own_skips: torch.Tensor | None = None  # [members] int64: tokens at the start of its own walk it does not see
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                out: torch.Tensor) -> None:
@@ -75,11 +76,11 @@ class PagedDecode:
         for dtype, name in _ENTRY_POINTS.items():
             function = getattr(library, name)
             function.restype = None
-            function.argtypes = [*plan_arguments, ctypes.c_int]  # and whether the order is fixed
+            function.argtypes = [*plan_arguments, ctypes.c_int, ctypes.c_void_p]  # fixed order, own skips
             self._functions[dtype] = function
         self._tiles_run = library.paged_decode_bf16_tiles_run  # bfloat16 queries and outputs, tile walks
         self._tiles_run.restype = None
-        self._tiles_run.argtypes = [*plan_arguments, ctypes.c_int, ctypes.c_void_p]  # fixed order, lane lengths
+        self._tiles_run.argtypes = [*plan_arguments, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]  # and lane lengths
         self._tiles = library.paged_decode_bf16_tiles
         self._tiles.restype = ctypes.c_int
         self._tiles.argtypes = [ctypes.c_int64, ctypes.c_int64]
@@ -140,10 +141,29 @@ class PagedDecode:
             return None
         return self._layout(sets, tables, block, fixed_order=True, tiles=tiles)
 
+    def plan_windowed(self, meta: AttentionMetadata, tables: list[list[int]], block: int, window: int
+                      ) -> PagedPlan | None:
+        """Every query row of the step alone under a sliding window (batch invariance): the row at position p walks
+        from the block holding p - window + 1, skipping that block's tokens before it. Its walk then depends on p
+        and the window only, never on its company or its chunk."""
+        members, skips = [], {}
+        query_start = np.cumsum([0, *meta.query_lens_host]).tolist()
+        for s, (count, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+            for j in range(count):
+                length = seq_len - count + j + 1
+                first = max(0, length - window)
+                members.append((s, query_start[s] + j, length, first // block * block))
+                skips[query_start[s] + j] = first % block
+        if not members:
+            return None
+        sets = [((), 0, [member]) for member in members]
+        return self._layout(sets, tables, block, fixed_order=True, skips=skips)
+
     def _layout(self, sets: list[Set], tables: list[list[int]], block: int, fixed_order: bool,
-                tiles: bool = False) -> PagedPlan:
+                tiles: bool = False, skips: dict[int, int] | None = None) -> PagedPlan:
         """The kernel's arrays for `sets`, the ones that read the most keys first: items are taken in order by
-        whichever thread is free, so the longest ones do not start last."""
+        whichever thread is free, so the longest ones do not start last. `skips`: flat-batch row -> tokens at the
+        start of its own walk it does not see."""
         sets.sort(key=lambda item: -sum(length for _, _, length, _ in item[2]))
         members = [member for _, _, chosen in sets for member in chosen]
         seen = np.array([shared for _, _, _, shared in members], dtype=np.int64)
@@ -162,7 +182,8 @@ class PagedDecode:
         rows = np.array([row for _, row, _, _ in members], dtype=np.int64)
         return PagedPlan(self, torch.from_numpy(layout), torch.from_numpy(shared_blocks), torch.from_numpy(rows),
                          torch.from_numpy(own_blocks), torch.from_numpy(own_lens), fixed_order,
-                         torch.from_numpy(seen) if tiles else None)
+                         torch.from_numpy(seen) if tiles else None,
+                         None if skips is None else torch.tensor([skips[row] for row in rows.tolist()]))
 
     def run(self, plan: PagedPlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
             out: torch.Tensor) -> None:
@@ -170,9 +191,10 @@ class PagedDecode:
         kv_heads = k_cache.shape[2]
         tiles = (query.dtype == k_cache.dtype == out.dtype == torch.bfloat16 and out.is_contiguous()
                  and self.uses_tiles(k_cache.shape[1], dim))
-        if plan.fixed_order and tiles != (plan.lane_lengths is not None):  # the walks the plan was laid out for
+        if plan.fixed_order and plan.own_skips is None and tiles != (plan.lane_lengths is not None):  # as laid out
             raise ValueError(f"a batch-invariant plan for the {'tile' if plan.lane_lengths is not None else 'vector'} "
                              f"walks cannot run {query.dtype} queries over a {k_cache.dtype} pool")
+        skips = plan.own_skips.data_ptr() if plan.own_skips is not None else None
         arguments = (
             plan.sets.data_ptr(), plan.shared_blocks.data_ptr(), plan.rows.data_ptr(), plan.own_blocks.data_ptr(),
             plan.own_lens.data_ptr(), plan.sets.shape[0], plan.shared_blocks.shape[1], plan.own_blocks.shape[1],
@@ -181,12 +203,12 @@ class PagedDecode:
             query = query.contiguous()  # held here: the call must not outlive a temporary
             lanes = plan.lane_lengths.data_ptr() if plan.lane_lengths is not None else None
             self._tiles_run(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *arguments, out.data_ptr(),
-                            torch.get_num_threads(), int(plan.fixed_order), lanes)
+                            torch.get_num_threads(), int(plan.fixed_order), lanes, skips)
             return
         query = query.to(torch.float32).contiguous()
         target = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(query)
         self._functions[k_cache.dtype](query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *arguments,
-                                       target.data_ptr(), torch.get_num_threads(), int(plan.fixed_order))
+                                       target.data_ptr(), torch.get_num_threads(), int(plan.fixed_order), skips)
         if target is not out:
             out.index_copy_(0, plan.rows, target.index_select(0, plan.rows).to(out.dtype))
 

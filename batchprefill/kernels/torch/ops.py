@@ -13,6 +13,8 @@ prompt was chunked and what shared the call; the kernel's walks reduce each row'
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,13 +64,14 @@ class TorchPlan:
     decodes: PagedPlan | DecodePlan | None  # either attends with `.attend(query, k, v, scale, out)`
     batches: list[GroupBatch]
     alone: list[int]  # chunks too long for group attention
+    # batch-invariant steps: window -> every row's plan under it, built at the first layer that has that window
+    windowed: Callable[[int], PagedPlan | None] | None = None
 
 
 class TorchOps:
     """Plain torch ops: the CPU path and the reference for the kernels."""
 
     graph_safe_decode = False  # its batched decode builds index tensors on the host
-    invariant_windows = False  # the C++ walks start at a block, not at a window's first key
 
     def __init__(self, native: bool = True, batch_invariant: bool = False):
         """`native`: decodes read the pool in place through the C++ kernel where it builds
@@ -98,7 +101,8 @@ class TorchOps:
                 raise ValueError("engine.batch_invariant=true with engine.attention_backend=torch runs on the CPU only")
             tiles = dtype == k_cache.dtype == torch.bfloat16 and self._paged.uses_tiles(block, k_cache.shape[3])
             rows = self._paged.plan_every_row(meta, tables, block, num_q_heads // num_kv_heads, tiles)
-            return meta.with_plan(TorchPlan(rows, [], []))
+            windowed = functools.cache(functools.partial(self._paged.plan_windowed, meta, tables, block))
+            return meta.with_plan(TorchPlan(rows, [], [], windowed))
         decodes = [s for s, n in enumerate(lens) if n == 1]
         pairs = [n * seq_len for n, seq_len in zip(lens, meta.seq_lens_host)]
         chunks = [s for s, n in enumerate(lens) if n > 1 and pairs[s] <= GROUPED_MAX_PAIRS]
@@ -115,14 +119,21 @@ class TorchOps:
                   window: int | None = None) -> torch.Tensor:
         """A few fused calls for the whole step: decodes, then batches of short chunks; chunks too long for a
         dense mask run one fused call each. A sliding window that hides keys this step runs each sequence
-        alone over the keys its window holds (the group plans assume full attention)."""
+        alone over the keys its window holds (the group plans assume full attention); under batch invariance, each
+        row alone through the kernel (`PagedDecode.plan_windowed`)."""
+        if meta.plan is None:  # a caller outside the model (a test, a benchmark) planned nothing
+            meta = self.plan(meta, k_cache, query.shape[1], query.dtype)
+        if window is not None and self.batch_invariant:
+            out = torch.empty_like(query)
+            rows = meta.plan.windowed(window)
+            if rows is not None:
+                rows.attend(query, k_cache, v_cache, scale, out)
+            return out
         if window is not None and window < max(meta.seq_lens_host, default=0):
             out = torch.empty_like(query)
             for s in range(meta.num_seqs):
                 self._one_windowed(query, k_cache, v_cache, meta, scale, s, out, window)
             return out
-        if meta.plan is None:  # a caller outside the model (a test, a benchmark) planned nothing
-            meta = self.plan(meta, k_cache, query.shape[1], query.dtype)
         out = torch.empty_like(query)
         if meta.plan.decodes is not None:
             meta.plan.decodes.attend(query, k_cache, v_cache, scale, out)

@@ -56,7 +56,6 @@ class TritonOps:
     """
 
     graph_safe_decode = True  # decode grids depend only on the batch size and the planned longest context
-    invariant_windows = True  # every KV tile masked, window included
 
     def __init__(self, block_m: int | None = None, block_n: int | None = None,
                  decode_min_segment: int = 256, decode_target_programs: int | None = None,

@@ -355,16 +355,20 @@ void accumulate(const float* weights, int64_t weight_stride, const float* values
 // n rows per head (each `dim` floats, already scaled: query [heads][n][dim]) over `length` tokens of their
 // blocks, continuing their online softmax (maxes and sums [heads][n], acc [heads][n][dim]). Scores token by
 // token, so each block is read front to back while the next block's same token is requested; then each row's
-// softmax update; then values token by token.
+// softmax update; then values token by token. The walk's first `skip` tokens are not seen (a sliding window's
+// start inside its first block): that block's update covers the tokens after them.
 template <bool Wide, typename Cache>
 void walk_few(const float* query, int64_t n, const Pool<Cache>& pool, const int64_t* blocks, int64_t length,
-              Scratch& s, float* maxes, float* sums, float* acc) {
+              Scratch& s, float* maxes, float* sums, float* acc, int64_t skip = 0) {
   const int64_t block = pool.block, stride = pool.token_stride, dim = pool.dim, heads = pool.heads;
   float* scores = s.scores.data();
   for (int64_t b = 0; b * block < length; ++b) {
-    const int64_t count = std::min(block, length - b * block);
+    const int64_t first = std::max(b * block, skip);
+    const int64_t count = std::min((b + 1) * block, length) - first;
+    if (count <= 0) continue;
     const int64_t next = (b + 1) * block < length ? blocks[b + 1] * pool.block_stride : -1;
-    const auto [k, v] = as_float(pool.k_cache, pool.v_cache, blocks[b] * pool.block_stride, count * stride,
+    const auto [k, v] = as_float(pool.k_cache, pool.v_cache,
+                                 blocks[b] * pool.block_stride + (first - b * block) * stride, count * stride,
                                  s.keys.data(), s.values.data());
     for (int64_t t = 0; t < count; ++t) {
       if (next >= 0) prefetch(pool.k_cache, pool.v_cache, next + t * stride, stride);
@@ -429,6 +433,8 @@ struct Plan {
   // With the tile walks: [members] the tokens of its set's shared walk each member sees (a prefill row sees the
   // keys up to its own position; the walk goes on to the set's last row), or null: all of them.
   const int64_t* lane_lengths = nullptr;
+  // [decodes] tokens at the start of each own walk its rows do not see (sliding windows), or null: none.
+  const int64_t* own_skips = nullptr;
 };
 
 // A plan's decodes, and its largest set's rows rounded up to whole 16-row tiles.
@@ -527,8 +533,8 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
       float* query_rows = s.rows.data();  // [heads][per_kv][dim]: the flat batch's own layout
       const float* source = query + rows[decode] * row_stride;
       for (int64_t i = 0; i < row_stride; ++i) query_rows[i] = scale * source[i];
-      walk_few<Wide>(query_rows, per_kv, pool, plan.own_blocks + decode * plan.own_width, plan.own_lens[decode], s, maxes, sums,
-                     target);
+      walk_few<Wide>(query_rows, per_kv, pool, plan.own_blocks + decode * plan.own_width, plan.own_lens[decode], s, maxes,
+                     sums, target, plan.own_skips ? plan.own_skips[decode] : 0);
       for (int64_t q = 0; q < q_heads; ++q) {
         const float inverse = sums[q] > 0.0f ? 1.0f / sums[q] : 0.0f;  // a row that read no token gets zeros
 #pragma omp simd
@@ -715,7 +721,8 @@ constexpr LaneOrders kLanes = lane_orders();
 // (6 KB at SmolLM2's 3 KV heads), and walking one head at a time over every block read each block three times in
 // scattered thirds. Heads up to 128 wide (four query tiles).
 void walk_tiles(const uint32_t* packed, int64_t n, const Pool<uint16_t>& pool, const int64_t* blocks, int64_t length,
-                float scale, TileScratch& s, float* maxes, float* sums, float* acc, const int64_t* limits = nullptr) {
+                float scale, TileScratch& s, float* maxes, float* sums, float* acc, const int64_t* limits = nullptr,
+                int64_t skip = 0) {
   const int64_t dim = pool.dim, depth = dim / 32, tiles = (n + 15) / 16, dim_tiles = dim / 16;
   const int64_t stride = pool.token_stride * 2;  // bytes between a head's tokens
   const __m512i low_index = _mm512_loadu_si512(kLanes.low), high_index = _mm512_loadu_si512(kLanes.high);
@@ -768,15 +775,16 @@ void walk_tiles(const uint32_t* packed, int64_t n, const Pool<uint16_t>& pool, c
         }
         float* tile_max = maxes + 16 * (head * tiles + tile);
         float* tile_sum = sums + 16 * (head * tiles + tile);
-        alignas(64) int32_t seen[16];  // tokens of this chunk each lane sees
+        alignas(64) int32_t seen[16];  // tokens of this chunk each lane sees, after the first `hidden`
         for (int64_t lane = 0; lane < 16; ++lane) {
           const int64_t r = std::min<int64_t>(16 * tile + lane, n - 1);
           seen[lane] = static_cast<int32_t>(limits ? std::clamp<int64_t>(limits[r] - start, 0, count) : count);
         }
         const __m512i lane_seen = _mm512_load_si512(seen);
+        const int64_t hidden = std::clamp<int64_t>(skip - start, 0, count);  // a window's start: no lane sees them
         const __m512 previous = _mm512_loadu_ps(tile_max);
         __m512 highest = _mm512_set1_ps(-FLT_MAX);  // of the raw products; the scale is positive
-        for (int64_t t = 0; t < count; ++t) {
+        for (int64_t t = hidden; t < count; ++t) {
           const __mmask16 sees = _mm512_cmpgt_epi32_mask(lane_seen, _mm512_set1_epi32(static_cast<int32_t>(t)));
           highest = _mm512_mask_max_ps(highest, sees, highest, _mm512_loadu_ps(scores + 16 * t));
         }
@@ -784,7 +792,7 @@ void walk_tiles(const uint32_t* packed, int64_t n, const Pool<uint16_t>& pool, c
         __m512 added = _mm512_setzero_ps();
         for (int64_t t = 0; t < 32 * groups; ++t) {
           __m512 weight = _mm512_setzero_ps();
-          if (t < count) {
+          if (t >= hidden && t < count) {
             const __mmask16 sees = _mm512_cmpgt_epi32_mask(lane_seen, _mm512_set1_epi32(static_cast<int32_t>(t)));
             weight = _mm512_maskz_mov_ps(sees, exp_weights(_mm512_fmsub_ps(_mm512_loadu_ps(scores + 16 * t), scaling,
                                                                            running)));
@@ -928,6 +936,7 @@ void decode_sets_tiles(const uint16_t* query, const Pool<uint16_t>& pool, const 
       if (decode + threads < decodes)  // the decode this thread is likely to take next
         prefetch_walk(pool, plan.own_blocks + (decode + threads) * plan.own_width, plan.own_lens[decode + threads]);
       const int64_t length = plan.own_lens[decode];
+      const int64_t skip = plan.own_skips ? plan.own_skips[decode] : 0;
       if (length < kTileTokens && !plan.fixed_order) {  // short: the vector walk, float32 on widened keys, values
         for (int64_t h = 0; h < kv_heads; ++h)
           for (int64_t r = 0; r < per_kv; ++r) {
@@ -937,12 +946,12 @@ void decode_sets_tiles(const uint16_t* query, const Pool<uint16_t>& pool, const 
         widen(source, vector.rows.data(), row_stride);
         for (int64_t i = 0; i < row_stride; ++i) vector.rows[i] *= scale;
         walk_few<true>(vector.rows.data(), per_kv, pool, plan.own_blocks + decode * plan.own_width, length, vector,
-                       few_maxes.data(), few_sums.data(), target);
+                       few_maxes.data(), few_sums.data(), target, skip);
         for (int64_t h = 0; h < kv_heads; ++h)
           for (int64_t r = 0; r < per_kv; ++r) sums[h * width + r] = few_sums[h * per_kv + r];
       } else {
         walk_tiles(s.queries.data(), per_kv, pool, plan.own_blocks + decode * plan.own_width, length, scale, s,
-                   maxes.data(), sums.data(), target);
+                   maxes.data(), sums.data(), target, nullptr, skip);
       }
       for (int64_t h = 0; h < kv_heads; ++h) {
         for (int64_t r = 0; r < per_kv; ++r) {
@@ -991,9 +1000,9 @@ void paged_decode_f32(const float* query, const float* k_cache, const float* v_c
                       const int64_t* shared_blocks, const int64_t* rows, const int64_t* own_blocks,
                       const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width,
                       int64_t block, int64_t kv_heads, int64_t per_kv, int64_t dim, float scale, float* out,
-                      int threads, int fixed_order) {
-  const Plan plan{sets,       shared_blocks, rows,   own_blocks, own_lens,
-                  num_sets,   shared_width,  own_width, per_kv,   fixed_order != 0};
+                      int threads, int fixed_order, const int64_t* own_skips) {
+  const Plan plan{sets,         shared_blocks, rows,   own_blocks,       own_lens, num_sets,
+                  shared_width, own_width,     per_kv, fixed_order != 0, nullptr,  own_skips};
   run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads);
 }
 
@@ -1001,23 +1010,23 @@ void paged_decode_bf16(const float* query, const uint16_t* k_cache, const uint16
                        const int64_t* shared_blocks, const int64_t* rows, const int64_t* own_blocks,
                        const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width,
                        int64_t block, int64_t kv_heads, int64_t per_kv, int64_t dim, float scale, float* out,
-                       int threads, int fixed_order) {
-  const Plan plan{sets,       shared_blocks, rows,   own_blocks, own_lens,
-                  num_sets,   shared_width,  own_width, per_kv,   fixed_order != 0};
+                       int threads, int fixed_order, const int64_t* own_skips) {
+  const Plan plan{sets,         shared_blocks, rows,   own_blocks,       own_lens, num_sets,
+                  shared_width, own_width,     per_kv, fixed_order != 0, nullptr,  own_skips};
   run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads);
 }
 
 // A bfloat16 model over a bfloat16 pool where takes_tiles holds: queries and outputs in bfloat16 (the flat batch's
-// own tensors, no float32 copies), the walks as tile matmuls; `lane_lengths` may be null (see Plan). A float32 model over a bfloat16 pool takes
-// paged_decode_bf16, whose float32 walks do not round its queries.
+// own tensors, no float32 copies), the walks as tile matmuls; `lane_lengths` and `own_skips` may be null (see
+// Plan). A float32 model over a bfloat16 pool takes paged_decode_bf16, whose float32 walks do not round its queries.
 void paged_decode_bf16_tiles_run(const uint16_t* query, const uint16_t* k_cache, const uint16_t* v_cache,
                                  const int64_t* sets, const int64_t* shared_blocks, const int64_t* rows,
                                  const int64_t* own_blocks, const int64_t* own_lens, int64_t num_sets,
                                  int64_t shared_width, int64_t own_width, int64_t block, int64_t kv_heads,
                                  int64_t per_kv, int64_t dim, float scale, uint16_t* out, int threads,
-                                 int fixed_order, const int64_t* lane_lengths) {
-  const Plan plan{sets,     shared_blocks, rows,      own_blocks, own_lens,         num_sets,
-                  shared_width, own_width, per_kv, fixed_order != 0, lane_lengths};
+                                 int fixed_order, const int64_t* lane_lengths, const int64_t* own_skips) {
+  const Plan plan{sets,         shared_blocks, rows,   own_blocks,       own_lens,     num_sets,
+                  shared_width, own_width,     per_kv, fixed_order != 0, lane_lengths, own_skips};
   const Pool<uint16_t> pool{k_cache, v_cache, block, kv_heads, dim, kv_heads * dim, block * kv_heads * dim};
   decode_sets_tiles(query, pool, plan, scale, out, threads);
 }
