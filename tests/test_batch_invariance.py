@@ -226,6 +226,24 @@ VARIANTS = {
 }
 
 
+@functools.cache
+def _baseline(folder: Path, dtype: torch.dtype) -> dict[int, tuple]:
+    return _generate(folder, dtype, True, list(range(14)))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dtype=st.sampled_from(DTYPES), max_num_seqs=st.integers(1, 16), max_batched_tokens=st.integers(8, 300),
+       order_seed=st.integers(0, 1000), prefix_caching=st.booleans())
+def test_any_cap_budget_order_and_caching_give_an_invariant_engine_the_same_bits(
+        tiny_folder, dtype, max_num_seqs, max_batched_tokens, order_seed, prefix_caching):
+    order = list(range(14))
+    random.Random(order_seed).shuffle(order)
+    got = _generate(tiny_folder, dtype, True, order, max_num_seqs=max_num_seqs,
+                    max_batched_tokens=max_batched_tokens, prefix_caching=prefix_caching)
+    baseline = _baseline(tiny_folder, dtype)
+    assert [i for i in range(14) if got[i] != baseline[i]] == []
+
+
 @pytest.fixture(scope="module")
 def windowed_folder(tmp_path_factory, model_folder) -> Path:
     """The tiny model as Mistral with a 24-token sliding window: shorter than every prompt."""
