@@ -533,8 +533,8 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
       float* query_rows = s.rows.data();  // [heads][per_kv][dim]: the flat batch's own layout
       const float* source = query + rows[decode] * row_stride;
       for (int64_t i = 0; i < row_stride; ++i) query_rows[i] = scale * source[i];
-      walk_few<Wide>(query_rows, per_kv, pool, plan.own_blocks + decode * plan.own_width, plan.own_lens[decode], s, maxes,
-                     sums, target, plan.own_skips ? plan.own_skips[decode] : 0);
+      walk_few<Wide>(query_rows, per_kv, pool, plan.own_blocks + decode * plan.own_width, plan.own_lens[decode], s,
+                     maxes, sums, target, plan.own_skips ? plan.own_skips[decode] : 0);
       for (int64_t q = 0; q < q_heads; ++q) {
         const float inverse = sums[q] > 0.0f ? 1.0f / sums[q] : 0.0f;  // a row that read no token gets zeros
 #pragma omp simd
@@ -714,12 +714,13 @@ constexpr LaneOrders kLanes = lane_orders();
 
 // n rows per KV head (packed by pack_queries, [heads][tiles][...]) over `length` tokens of `blocks`, continuing their
 // online softmax: maxes and sums [heads][tiles * 16], acc [heads][n][dim] (unnormalized). `limits` [n], or null:
-// row r sees only the walk's first limits[r] tokens. A row's bits do not depend on the walk going on past its
-// limit, nor on the other rows of its tiles: past its limit its lane takes weight 0 (the sum adds exact zeros,
-// the rescale is exp(0) = 1, the products add 0 x value), and a tile product computes each output on its own. Every head of a chunk is
-// walked before the next chunk, whose blocks are requested meanwhile: a block holds all heads' rows of its tokens
-// (6 KB at SmolLM2's 3 KV heads), and walking one head at a time over every block read each block three times in
-// scattered thirds. Heads up to 128 wide (four query tiles).
+// row r sees only the walk's first limits[r] tokens; no row sees the first `skip` (a sliding window's start). A
+// row's bits do not depend on the walk going on past its limit, nor on the other rows of its tiles: past its limit
+// its lane takes weight 0 (the sum adds exact zeros, the rescale is exp(0) = 1, the products add 0 x value), and a
+// tile product computes each output on its own. Every head of a chunk is walked before the next chunk, whose
+// blocks are requested meanwhile: a block holds all heads' rows of its tokens (6 KB at SmolLM2's 3 KV heads), and
+// walking one head at a time over every block read each block three times in scattered thirds. Heads up to 128
+// wide (four query tiles).
 void walk_tiles(const uint32_t* packed, int64_t n, const Pool<uint16_t>& pool, const int64_t* blocks, int64_t length,
                 float scale, TileScratch& s, float* maxes, float* sums, float* acc, const int64_t* limits = nullptr,
                 int64_t skip = 0) {
