@@ -169,16 +169,19 @@ TINY = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden
             num_key_value_heads=1, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False)
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, model_folder) -> Path:
-    """A random Llama with 4 query heads per KV head (a set of 4 decodes fills a 16-row lane group) and the
-    shipped tokenizer."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
+def _random_folder(folder: Path, config: transformers.PretrainedConfig, model_folder: Path) -> Path:
+    """A random causal LM of `config` saved in `folder`, with the shipped tokenizer beside it."""
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY)).save_pretrained(folder)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_folder / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, model_folder) -> Path:
+    """A random Llama with 4 query heads per KV head (a set of 4 decodes fills a 16-row lane group)."""
+    return _random_folder(tmp_path_factory.mktemp("tiny-llama"), transformers.LlamaConfig(**TINY), model_folder)
 
 
 SMOL_SHAPED = dict(TINY, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
@@ -189,12 +192,8 @@ SMOL_SHAPED = dict(TINY, hidden_size=576, intermediate_size=1536, num_attention_
 def smol_shaped_folder(tmp_path_factory, model_folder) -> Path:
     """Two random layers of SmolLM2-135M's shapes: where oneDNN's bfloat16 products change their bits with the
     row count, so the default path really does move (the jobs below are checked to differ without the setting)."""
-    folder = tmp_path_factory.mktemp("smol-shaped")
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SMOL_SHAPED)).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_folder / name, folder / name)
-    return folder
+    return _random_folder(tmp_path_factory.mktemp("smol-shaped"), transformers.LlamaConfig(**SMOL_SHAPED),
+                          model_folder)
 
 
 def _prompts() -> list[list[int]]:
@@ -247,13 +246,8 @@ def test_any_cap_budget_order_and_caching_give_an_invariant_engine_the_same_bits
 @pytest.fixture(scope="module")
 def windowed_folder(tmp_path_factory, model_folder) -> Path:
     """The tiny model as Mistral with a 24-token sliding window: shorter than every prompt."""
-    folder = tmp_path_factory.mktemp("tiny-mistral")
-    torch.manual_seed(0)
     config = transformers.MistralConfig(**TINY, sliding_window=24)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_folder / name, folder / name)
-    return folder
+    return _random_folder(tmp_path_factory.mktemp("tiny-mistral"), config, model_folder)
 
 
 @pytest.mark.parametrize("windowed", [False, True], ids=["llama", "mistral-window-24"])
@@ -370,11 +364,9 @@ def test_invariant_lora_rows_keep_their_bits_under_any_budget(smol_shaped_folder
 def test_invariant_expert_rows_keep_their_bits_under_any_budget(tmp_path, model_folder):
     """Qwen3-MoE with SmolLM2's attention shapes and 8 experts of width 256, top 2: each expert's rows change in
     number with the budget."""
-    torch.manual_seed(0)
     config = transformers.Qwen3MoeConfig(**{**SMOL_SHAPED, "intermediate_size": 512}, moe_intermediate_size=256,
                                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    shutil.copy(model_folder / "tokenizer.json", tmp_path / "tokenizer.json")
+    _random_folder(tmp_path, config, model_folder)
     busy, starved = _api_twice(pa.table({"prompt": _shared_prompts()}), ["output_token_ids", "output_logprobs"],
                                model="hf", **{"model.path": str(tmp_path), "sampling.logprobs": 1})
     assert busy == starved
