@@ -100,7 +100,7 @@ def measure(args) -> dict:
                     f"model.dtype={args.dtype}", "engine.kv_cache_tokens=65536", f"engine.num_threads={args.threads}",
                     "engine.max_batched_tokens=2048", "engine.max_num_seqs=256", "engine.block_size=16",
                     "output.progress=false", "output.plot=false", f"hydra.run.dir={work}/hydra",
-                    f"engine.batch_invariant={str(args.batch_invariant).lower()}"]
+                    *(["engine.batch_invariant=true"] * args.batch_invariant)]  # a revision before it lacks the key
         try:
             run_main()
         except SystemExit as end:

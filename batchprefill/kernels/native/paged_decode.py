@@ -191,9 +191,9 @@ class PagedDecode:
         kv_heads = k_cache.shape[2]
         tiles = (query.dtype == k_cache.dtype == out.dtype == torch.bfloat16 and out.is_contiguous()
                  and self.uses_tiles(k_cache.shape[1], dim))
-        if plan.fixed_order and plan.own_skips is None and tiles != (plan.lane_lengths is not None):  # as laid out
-            raise ValueError(f"a batch-invariant plan for the {'tile' if plan.lane_lengths is not None else 'vector'} "
-                             f"walks cannot run {query.dtype} queries over a {k_cache.dtype} pool")
+        if plan.lane_lengths is not None and not tiles:  # prefill rows laid out for the tile walks' lane limits
+            raise ValueError(f"a batch-invariant plan for the tile walks cannot run {query.dtype} queries over a "
+                             f"{k_cache.dtype} pool")
         skips = plan.own_skips.data_ptr() if plan.own_skips is not None else None
         arguments = (
             plan.sets.data_ptr(), plan.shared_blocks.data_ptr(), plan.rows.data_ptr(), plan.own_blocks.data_ptr(),

@@ -61,7 +61,8 @@ class TorchPlan:
     """A step's attention layout on the torch path: its decodes, its batches of grouped short chunks, and the
     chunks that run alone."""
 
-    decodes: PagedPlan | DecodePlan | None  # either attends with `.attend(query, k, v, scale, out)`
+    decodes: PagedPlan | DecodePlan | None  # either attends with `.attend(query, k, v, scale, out)`; with
+    # batch invariance, a PagedPlan of every row
     batches: list[GroupBatch]
     alone: list[int]  # chunks too long for group attention
     # batch-invariant steps: window -> every row's plan under it, built at the first layer that has that window
@@ -100,9 +101,9 @@ class TorchOps:
             if k_cache.device.type != "cpu":
                 raise ValueError("engine.batch_invariant=true with engine.attention_backend=torch runs on the CPU only")
             tiles = dtype == k_cache.dtype == torch.bfloat16 and self._paged.uses_tiles(block, k_cache.shape[3])
-            rows = self._paged.plan_every_row(meta, tables, block, num_q_heads // num_kv_heads, tiles)
+            every_row = self._paged.plan_every_row(meta, tables, block, num_q_heads // num_kv_heads, tiles)
             windowed = functools.cache(functools.partial(self._paged.plan_windowed, meta, tables, block))
-            return meta.with_plan(TorchPlan(rows, [], [], windowed))
+            return meta.with_plan(TorchPlan(every_row, [], [], windowed))
         decodes = [s for s, n in enumerate(lens) if n == 1]
         pairs = [n * seq_len for n, seq_len in zip(lens, meta.seq_lens_host)]
         chunks = [s for s, n in enumerate(lens) if n > 1 and pairs[s] <= GROUPED_MAX_PAIRS]
@@ -121,20 +122,19 @@ class TorchOps:
         dense mask run one fused call each. A sliding window that hides keys this step runs each sequence
         alone over the keys its window holds (the group plans assume full attention); under batch invariance, each
         row alone through the kernel (`PagedDecode.plan_windowed`)."""
-        if meta.plan is None:  # a caller outside the model (a test, a benchmark) planned nothing
-            meta = self.plan(meta, k_cache, query.shape[1], query.dtype)
-        if window is not None and self.batch_invariant:
-            out = torch.empty_like(query)
-            rows = meta.plan.windowed(window)
-            if rows is not None:
-                rows.attend(query, k_cache, v_cache, scale, out)
-            return out
-        if window is not None and window < max(meta.seq_lens_host, default=0):
+        if window is not None and not self.batch_invariant and window < max(meta.seq_lens_host, default=0):
             out = torch.empty_like(query)
             for s in range(meta.num_seqs):
                 self._one_windowed(query, k_cache, v_cache, meta, scale, s, out, window)
             return out
+        if meta.plan is None:  # a caller outside the model (a test, a benchmark) planned nothing
+            meta = self.plan(meta, k_cache, query.shape[1], query.dtype)
         out = torch.empty_like(query)
+        if window is not None and self.batch_invariant:
+            every_row = meta.plan.windowed(window)
+            if every_row is not None:
+                every_row.attend(query, k_cache, v_cache, scale, out)
+            return out
         if meta.plan.decodes is not None:
             meta.plan.decodes.attend(query, k_cache, v_cache, scale, out)
         for batch in meta.plan.batches:
