@@ -2,6 +2,7 @@
 
     python benchmarks/step_ops.py                       # this checkout
     python benchmarks/step_ops.py --baseline REV        # and, in the same run, the code at git REV
+    python benchmarks/step_ops.py --job reward          # a prefill-only job instead: seconds over all its steps
 
 Runs `decode512`'s 80 rows (benchmarks/workloads.py) for `--tokens` output tokens each, in `--dtype` (float32 by
 default), 2 threads, with a timer around every call of each op kind (linear layers, the LM head's pick, attention
@@ -10,6 +11,10 @@ per decode-only step.
 An op kind the revision does not have as a separate call is left out. The timers cost about a microsecond per
 call (about 400 calls a step). Times of ops that contain others (attention contains the kernel; the LM head its
 linear chunks) include them.
+
+With `--job reward` or `--job embed`, the job is benchmarks/pooling.py's best-of-8 reward scoring or corpus
+embedding (its models, built under /tmp/bp-pooling, and its rows), on `--threads` threads, and the figures are
+seconds summed over every step of the job, the model's pass up to its final norm standing for the forward.
 
 The baseline runs the same script against another revision (a temporary git worktree), as a child process.
 """
@@ -45,11 +50,12 @@ OPS = [
 ]
 
 
-def instrument() -> tuple[dict, dict]:
-    """Timers around every op kind and the model's forward; per-forward times are kept for decode-only steps."""
+def instrument(outer: str = "forward", decode_only: bool = True) -> tuple[dict, dict]:
+    """Timers around every op kind and the model's `outer` pass; per-pass times are kept for decode-only steps, or
+    for every step."""
     step: dict[str, float] = collections.defaultdict(float)
     totals: dict[str, float] = collections.defaultdict(float)
-    counts = {"decode_steps": 0}
+    counts = {"passes": 0}
 
     def timed(function, label):
         def wrapper(*args, **kwargs):
@@ -69,20 +75,20 @@ def instrument() -> tuple[dict, dict]:
             setattr(owner, method, timed(vars(owner)[method], label))
     from batchprefill.model.decoder import DecoderModel
 
-    forward = DecoderModel.forward
+    forward = getattr(DecoderModel, outer)
 
     def counted_forward(self, input_ids, positions, kv_caches, meta, *args, **kwargs):
         step.clear()
         start = time.perf_counter()
         result = forward(self, input_ids, positions, kv_caches, meta, *args, **kwargs)
-        if meta.is_decode_only:
+        if meta.is_decode_only or not decode_only:
             totals["forward"] += time.perf_counter() - start
             for label, seconds in step.items():
                 totals[label] += seconds
-            counts["decode_steps"] += 1
+            counts["passes"] += 1
         return result
 
-    DecoderModel.forward = counted_forward
+    setattr(DecoderModel, outer, counted_forward)
     return totals, counts
 
 
@@ -90,15 +96,25 @@ def measure(args) -> dict:
     sys.path.insert(0, str(REPO / "benchmarks"))
     import workloads
 
-    totals, counts = instrument()
+    decode = args.job == "decode"
+    totals, counts = instrument("forward" if decode else "final_hidden", decode_only=decode)
     from batchprefill.cli.run import main as run_main
 
     with tempfile.TemporaryDirectory() as work:
-        path = workloads.decode_heavy(args.tokens).write(Path(work))
-        sys.argv = ["batchprefill-run", f"data.input={path}", f"output.dir={work}/out",
-                    f"sampling.max_tokens={args.tokens}", "sampling.ignore_eos=true", "data.chat_template=false",
+        if decode:
+            path = workloads.decode_heavy(args.tokens).write(Path(work))
+            job = [f"sampling.max_tokens={args.tokens}", "sampling.ignore_eos=true", "data.chat_template=false",
+                   "engine.block_size=16"]
+        else:
+            import pooling
+
+            folder = pooling.build_models(Path("/tmp/bp-pooling"))[args.job]
+            rows = pooling.reward_rows(96, 8) if args.job == "reward" else pooling.embed_rows()
+            path = pooling.write(rows, Path(work) / f"{args.job}.parquet")
+            job = [f"task={'classify' if args.job == 'reward' else 'embed'}", "model=hf", f"model.path={folder}"]
+        sys.argv = ["batchprefill-run", f"data.input={path}", f"output.dir={work}/out", *job,
                     f"model.dtype={args.dtype}", "engine.kv_cache_tokens=65536", f"engine.num_threads={args.threads}",
-                    "engine.max_batched_tokens=2048", "engine.max_num_seqs=256", "engine.block_size=16",
+                    "engine.max_batched_tokens=2048", "engine.max_num_seqs=256",
                     "output.progress=false", "output.plot=false", f"hydra.run.dir={work}/hydra",
                     *(["engine.batch_invariant=true"] * args.batch_invariant)]  # a revision before it lacks the key
         try:
@@ -106,12 +122,15 @@ def measure(args) -> dict:
         except SystemExit as end:
             if end.code:
                 raise
-    steps = counts["decode_steps"]
+    if not decode:
+        return {"steps": counts["passes"], **{label: round(seconds, 2) for label, seconds in totals.items()}}
+    steps = counts["passes"]
     return {"decode_steps": steps, **{label: round(1e3 * seconds / steps, 2) for label, seconds in totals.items()}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", default="decode", choices=["decode", "reward", "embed"])
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -133,20 +152,24 @@ def main() -> None:
                 rows["baseline"] = _child(tree, args)
             finally:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=True)
-    labels = ["forward"] + sorted({k for row in rows.values() for k in row} - {"forward", "decode_steps"})
-    print("| code | decode steps | " + " | ".join(f"{label} ms" for label in labels) + " |")
+    steps = "decode_steps" if args.job == "decode" else "steps"
+    labels = ["forward"] + sorted({k for row in rows.values() for k in row} - {"forward", steps})
+    unit = "ms" if args.job == "decode" else "s"
+    print(f"| code | {steps.replace('_', ' ')} | " + " | ".join(f"{label} {unit}" for label in labels) + " |")
     print("| --- | ---: | " + " | ".join("---:" for _ in labels) + " |")
     for name, row in rows.items():
-        print(f"| {name} | {row['decode_steps']} | " + " | ".join(str(row.get(label, "")) for label in labels) + " |")
+        print(f"| {name} | {row[steps]} | " + " | ".join(str(row.get(label, "")) for label in labels) + " |")
     if args.out:
-        args.out.write_text(json.dumps({"tokens": args.tokens, "threads": args.threads, "dtype": args.dtype,
-                                        "batch_invariant": args.batch_invariant, **rows}, indent=1))
+        settings = {"job": args.job, "tokens": args.tokens, "threads": args.threads, "dtype": args.dtype,
+                    "batch_invariant": args.batch_invariant}
+        args.out.write_text(json.dumps({**settings, **rows}, indent=1))
 
 
 def _child(tree: Path, args) -> dict:
     """This script, run from `tree`'s code (the script itself always from this checkout)."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--tokens", str(args.tokens),
-               "--threads", str(args.threads), "--dtype", args.dtype, *(["--batch-invariant"] * args.batch_invariant)]
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--job", args.job, "--tokens",
+               str(args.tokens), "--threads", str(args.threads), "--dtype", args.dtype,
+               *(["--batch-invariant"] * args.batch_invariant)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(command, check=True, capture_output=True, text=True, env=env, cwd=tree)
     return json.loads(done.stdout.strip().splitlines()[-1])

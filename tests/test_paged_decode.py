@@ -149,15 +149,94 @@ def test_a_cpu_with_bfloat16_but_no_amx_walks_a_bfloat16_pool_exactly_in_float32
 
 
 def test_a_bfloat16_model_gets_its_decode_rows_back_in_bfloat16(kernel):
-    # a step with a chunk beside the decodes: the kernel writes the decode rows, the chunk's row stays the torch
-    # path's; a float32 scratch output is copied back to the model's dtype
+    # a step with a chunk beside the decodes: the kernel writes the decode rows, the chunk's rows (nothing cached
+    # before them) stay the torch path's; a float32 scratch output is copied back to the model's dtype
     tables, lens = decodes([(2, [3, 9])], 4)
-    tables.append([40, 41])
-    query, k_cache, v_cache, meta = flat_batch([1, 1, 3], [*lens, 7], tables, num_blocks=64, seed=6)
+    tables.append([40])
+    query, k_cache, v_cache, meta = flat_batch([1, 1, 3], [*lens, 3], tables, num_blocks=64, seed=6)
     query = query.to(torch.bfloat16)
     got = TorchOps().attention(query, k_cache, v_cache, meta, 0.25)
     want = TorchOps(native=False).attention(query, k_cache, v_cache, meta, 0.25)
     assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want.float(), atol=1e-2)
+
+
+def chunk_step(groups: list[tuple[int, list[tuple[int, int]]]], decode_lens: list[int], heads: int, kv_heads: int,
+               dim: int, block: int, seed: int, dtype=torch.float32):
+    """A step of prefill chunks after cached keys, and lone decodes: each group (shared blocks, members) has members
+    (own cached tokens, queries), so (3, [(2, 10)]) is a chunk of 10 queries after 3 shared blocks and 2 more tokens.
+    Block ids distinct and scattered, as in `decodes`."""
+    tables, q_lens, seq_lens, next_block = [], [], [], 0
+    for shared, members in groups:
+        prefix = list(range(next_block, next_block + shared))
+        next_block += shared
+        for cached, queries in members:
+            count = cdiv(cached + queries, block)
+            tables.append(prefix + list(range(next_block, next_block + count)))
+            next_block += count
+            q_lens.append(queries)
+            seq_lens.append(shared * block + cached + queries)
+    for length in decode_lens:
+        tables.append(list(range(next_block, next_block + cdiv(length, block))))
+        next_block += cdiv(length, block)
+        q_lens.append(1)
+        seq_lens.append(length)
+    scatter = torch.randperm(next_block + 3, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = [[scatter[b] for b in table] for table in tables]
+    query, k_cache, v_cache, meta = flat_batch(q_lens, seq_lens, tables, heads, kv_heads, dim, block,
+                                               num_blocks=next_block + 3, seed=seed)
+    query, k_cache, v_cache = query.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    ops = TorchOps()
+    planned = ops.plan(meta, k_cache, heads, query.dtype)
+    got = ops.attention(query, k_cache, v_cache, planned, 0.125).float()
+    # the reference: padded group calls or one fused call per chunk, on the same values in float32
+    want = TorchOps(native=False).attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    return got, want, planned.plan
+
+
+def test_best_of_4_responses_after_one_prompt_read_it_once_in_one_set_of_40_rows(kernel):
+    # a 50-token prompt at 16-token blocks (3 whole blocks, then 2 tokens each response holds a copy of) and 4
+    # responses of 10 tokens: the vector walks read the 48 shared tokens once for all 40 rows (3 query heads
+    # each), then each row its own 3 to 12 tokens
+    got, want, plan = chunk_step([(3, [(2, 10)] * 4)], [], 9, 3, 64, 16, seed=1)
+    assert plan.batches == [] and plan.alone == []  # no padded group call is left
+    assert plan.decodes.sets[:, 1:].tolist() == [[40, 48]]
+    assert sorted(plan.decodes.own_lens.tolist()) == sorted(list(range(3, 13)) * 4)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_in_tile_walks_each_response_walks_from_0_with_each_lane_stopping_at_its_row(kernel):
+    # the same step in bfloat16 (tile walks where the CPU has AMX, else vector walks): laid out for the tiles, a
+    # response's 10 rows walk its 60 keys from position 0 as one set, lanes limited to 51..60 keys, so no row
+    # walks alone
+    got, want, plan = chunk_step([(3, [(2, 10)] * 4)], [], 9, 3, 64, 16, seed=1, dtype=torch.bfloat16)
+    assert float((got - want).abs().max()) < TILE_TOLERANCE
+    tables = [[4 * i + b for b in range(4)] for i in range(4)]
+    meta = flat_batch([10] * 4, [60] * 4, tables, 9, 3, 64, 16)[3]
+    tiled = kernel.plan(meta, [], [0, 1, 2, 3], tables, 16, 3, tiles=True)
+    assert tiled.sets[:, 1:].tolist() == [[10, 60]] * 4
+    assert tiled.own_lens.tolist() == [0] * 40
+    assert sorted(tiled.lane_lengths.tolist()) == sorted(list(range(51, 61)) * 4)
+
+
+chunk_groups = st.lists(st.tuples(st.integers(0, 5), st.lists(st.tuples(st.integers(0, 40), st.integers(2, 90)),
+                                                                min_size=1, max_size=4)), min_size=1, max_size=3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(groups=chunk_groups, decode_lens=st.lists(st.integers(1, 60), max_size=3), per_kv=st.sampled_from([1, 3, 4]),
+       seed=st.integers(0, 99))
+def test_chunks_after_cached_keys_beside_decodes_equal_the_fused_calls(groups, decode_lens, per_kv, seed):
+    got, want, _ = chunk_step(groups, decode_lens, 2 * per_kv, 2, 16, 8, seed)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(groups=chunk_groups, decode_lens=st.lists(st.integers(1, 200), max_size=3), per_kv=st.sampled_from([1, 3, 7]),
+       seed=st.integers(0, 99))
+def test_chunks_after_cached_keys_in_bfloat16_equal_the_fused_calls_within_the_weights_rounding(groups, decode_lens,
+                                                                                                 per_kv, seed):
+    got, want, _ = chunk_step(groups, decode_lens, 2 * per_kv, 2, 64, 16, seed, dtype=torch.bfloat16)
+    assert float((got - want).abs().max()) < TILE_TOLERANCE
 
 
 def test_the_plain_build_for_a_cpu_without_avx512_gives_the_same_attention(tmp_path):
