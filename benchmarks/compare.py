@@ -137,7 +137,8 @@ def measure(command: list[str], env: dict | None = None, log: Path | None = None
             "other_running": sum(sampler.others) / max(1, len(sampler.others))}
 
 
-def run_batchprefill(path: Path, work: Path, label: str, max_tokens: int, pool: int, args, **overrides) -> dict:
+def run_batchprefill(path: Path, work: Path, label: str, max_tokens: int, pool: int, args, env: dict | None = None,
+                     **overrides) -> dict:
     import polars as pl
 
     out = work / f"bp-{label}"
@@ -151,7 +152,7 @@ def run_batchprefill(path: Path, work: Path, label: str, max_tokens: int, pool: 
     if getattr(args, "model", None):  # other harnesses (lora.py, pooling.py) call this with their own arguments
         settings |= {"model": "hf", "model.path": args.model}
     command = [sys.executable, "-m", "batchprefill.run", *(f"{k}={v}" for k, v in settings.items())]
-    result = measure(command, log=work / f"bp-{label}.log")
+    result = measure(command, env=env, log=work / f"bp-{label}.log")
     job = pl.read_parquet(out / "stats" / "job.parquet").row(0, named=True)
     results = pl.read_parquet(out / "results").select("id", "output_token_ids")
     outputs = {i: list(t) for i, t in zip(results["id"], results["output_token_ids"])}

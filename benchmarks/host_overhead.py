@@ -25,7 +25,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -153,15 +152,11 @@ def measure() -> dict:
 
 def run_revision(rev: str) -> dict:
     """This script's measurement on the code at `rev`, in a temporary worktree, as a child process."""
-    with tempfile.TemporaryDirectory(prefix="bp-baseline-") as folder:
-        tree = Path(folder) / "tree"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev], check=True,
-                       capture_output=True)
-        try:
-            done = subprocess.run([sys.executable, __file__, "--json"], env={**os.environ, "PYTHONPATH": str(tree)},
-                                  capture_output=True, text=True, check=True)
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+    from revisions import checkout
+
+    with checkout(rev) as tree:
+        done = subprocess.run([sys.executable, __file__, "--json"], env={**os.environ, "PYTHONPATH": str(tree)},
+                              capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

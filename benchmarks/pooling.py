@@ -173,7 +173,7 @@ def main() -> None:
     tokenizer = PromptTokenizer(folders["reward"])
     cases = {"reward": ("classify", reward_rows(args.prompts, args.responses), "class_logits"),
              "embed": ("embed", embed_rows(), "embedding")}
-    report: dict = {"cpu": _cpu(), "dtype": args.dtype, "threads": args.threads,
+    report: dict = {"cpu": wl.cpu_model(), "dtype": args.dtype, "threads": args.threads,
                     "load_average_at_start": os.getloadavg()[0]}  # other jobs on the machine make ratios noisy
     for name, (task, rows, column) in cases.items():
         if args.only and name != args.only:
@@ -206,14 +206,6 @@ def main() -> None:
         print(json.dumps({name: entry}, indent=1), flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
-
-
-def _cpu() -> str:
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -144,14 +144,10 @@ def main() -> None:
         return
     rows = {"this": _child(REPO, args)}
     if args.baseline:
-        with tempfile.TemporaryDirectory() as folder:
-            tree = Path(folder) / "tree"
-            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.baseline],
-                           check=True, capture_output=True)
-            try:
-                rows["baseline"] = _child(tree, args)
-            finally:
-                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=True)
+        from revisions import checkout
+
+        with checkout(args.baseline) as tree:
+            rows["baseline"] = _child(tree, args)
     steps = "decode_steps" if args.job == "decode" else "steps"
     labels = ["forward"] + sorted({k for row in rows.values() for k in row} - {"forward", steps})
     unit = "ms" if args.job == "decode" else "s"

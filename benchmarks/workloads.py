@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,15 @@ QUESTIONS = [
     "What would be a good title?", "Which word appears most often?", "What does the author want?",
     "Name one person and one place.",
 ]
+
+
+def cpu_model() -> str:
+    """`lscpu`'s model name, recorded beside each figure: sessions run on different machines."""
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return "unknown"
 
 
 def sentence(rng: random.Random) -> str:
