@@ -39,7 +39,7 @@ _ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decod
 # sets that each read the shared prefix once, so one big group still spreads over the threads (work items are
 # sets x KV heads) while its prefix is read once per 16 members at SmolLM2's 3 query heads per KV head.
 MAX_SET_ROWS = 48
-# Query rows of a set of prefill rows (`plan_step`): a step's chunks hold hundreds of rows, so larger sets read each
+# Query rows of a set of prefill rows (`_chunk_sets`): a step's chunks hold hundreds of rows, so larger sets read each
 # prefix fewer times and still leave work items for every thread.
 MAX_CHUNK_SET_ROWS = 192
 
@@ -110,8 +110,8 @@ class PagedDecode:
         Why chunks here: they went through the padded, masked fused calls of `prefix_groups.py`, which compute every
         query of a group against every member's keys and then mask most of them off. In a best-of-8 reward job (768
         rows, 53,588 computed tokens after cached prompts, SmolLM2-135M, one thread) the kernel's walks took
-        attention from 19.3 to 9.1 s of the model's 34.4 s in bfloat16 (22.4 s after), and from 41.0 to 18.1 s of
-        114.9 s in float32."""
+        attention from 19.95 to 9.31 s of the model's 35.30 s in bfloat16 (22.81 s after), and from 46.90 to 20.79 s
+        of 130.93 s in float32 (`benchmarks/step_ops.py --job reward`)."""
         sets = _decode_sets(meta, decodes, tables, block, per_kv) + _chunk_sets(meta, chunks, tables, block, per_kv,
                                                                                  tiles)
         if not sets:
@@ -124,11 +124,10 @@ class PagedDecode:
         reducing its keys block by block from position 0 in one order (batch invariance): its bits then depend on
         its own query and keys only, never on the step's other rows, its set, or where its prompt was chunked.
 
-        Sets as in `plan`. The tile walks reduce keys in chunks
-        of `tile_chunk` tokens from a walk's start, so there every walk starts at a multiple of it: a decode set's
-        prefix is cut to whole chunks, and a run of prefill rows walks its sequence from 0, each lane to its own
-        position. Either way the same walk serves prefill and decode, so a recomputed (preempted) answer gets the
-        bits its decode steps had."""
+        Sets as in `plan`. The tile walks reduce keys in chunks of `tile_chunk` tokens from a walk's start, so there
+        every walk starts at a multiple of it: a decode set's prefix is cut to whole chunks, and a run of prefill rows
+        walks its sequence from 0, each lane to its own position. Either way the same walk serves prefill and decode,
+        so a recomputed (preempted) answer gets the bits its decode steps had."""
         lens = meta.query_lens_host
         decodes = [s for s, n in enumerate(lens) if n == 1]
         chunk_blocks = max(1, self.tile_chunk // block) if tiles else 1

@@ -112,8 +112,9 @@ class TorchOps:
         short = [s for s, n in enumerate(lens) if n > 1 and pairs[s] <= GROUPED_MAX_PAIRS]
         alone = [s for s, n in enumerate(lens) if n > 1 and pairs[s] > GROUPED_MAX_PAIRS]
         # short chunks after a whole cached block: the kernel's walks (PagedDecode.plan); the rest, group attention
-        walked = [s for s in short if meta.seq_lens_host[s] - lens[s] >= block] if paged else []
-        grouped = [s for s in short if s not in walked]
+        after_cached = {s for s in short if meta.seq_lens_host[s] - lens[s] >= block} if paged else set()
+        walked = [s for s in short if s in after_cached]
+        grouped = [s for s in short if s not in after_cached]
         batches = [pad_batch(batch, meta, block, per_kv, dtype, k_cache.device)
                    for batch in batch_groups(find_groups(meta, grouped, tables, block), meta)]
         if paged:
