@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -97,9 +96,7 @@ def main() -> None:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     args.model = None
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "")
-    meta = {"command": " ".join(sys.argv), "cpu": model_name, "threads": args.threads,
+    meta = {"command": " ".join(sys.argv), "cpu": wl.cpu_model(), "threads": args.threads,
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.reproducibility:
         reproducibility(args, meta)

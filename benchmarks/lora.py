@@ -21,7 +21,6 @@ import argparse
 import copy
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -138,12 +137,8 @@ def main() -> None:
         outputs = row.pop("outputs", None)
         if outputs is not None:
             row["greedy_agreement_with_adapters"] = compare.agreement(reference, outputs)
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next(
-        (line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("Model name")), "?"
-    )
     result = {
-        "cpu": model_name,
+        "cpu": wl.cpu_model(),
         "threads": args.threads,
         "dtype": args.dtype,
         "rank": args.rank,

@@ -188,7 +188,7 @@ class PagedDecode:
         tiles = (query.dtype == k_cache.dtype == out.dtype == torch.bfloat16 and out.is_contiguous()
                  and self.uses_tiles(k_cache.shape[1], dim))
         if plan.lane_lengths is not None and not tiles:  # prefill rows laid out for the tile walks' lane limits
-            raise ValueError(f"a batch-invariant plan for the tile walks cannot run {query.dtype} queries over a "
+            raise ValueError(f"a plan laid out for the tile walks cannot run {query.dtype} queries over a "
                              f"{k_cache.dtype} pool")
         skips = plan.own_skips.data_ptr() if plan.own_skips is not None else None
         arguments = (

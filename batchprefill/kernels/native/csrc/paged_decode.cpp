@@ -617,7 +617,6 @@ inline void transpose_16x16(const uint32_t* source, uint32_t* target) {
   for (int i = 0; i < 16; ++i) _mm512_storeu_si512(target + 16 * i, r[i]);  // r[i] is column i
 }
 
-
 struct TileScratch {
   std::vector<uint32_t> queries;  // [row tiles][dim / 32][16 dim pairs][16 rows] query pairs
   std::vector<uint32_t> values;   // [kChunk / 32][dim / 16][16 token pairs][16 dims] value pairs of a chunk
