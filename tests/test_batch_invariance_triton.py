@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from triton.runtime import interpreter
 
 from batchprefill.engine.config import EngineConfig, EngineSettings
 from batchprefill.engine.engine import Engine
@@ -31,6 +33,34 @@ from tests.synthetic import Entry, Sequence, attention_of_entries, random_sequen
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # bf16: the interpreter's casts truncate
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_dots_sum_each_output_in_one_order(monkeypatch) -> None:
+    """The interpreter runs `tl.dot` as numpy's matmul, whose BLAS may sum an output's products in an order that
+    follows its row's place in the tile: OpenBLAS's Haswell kernel (AMD EPYC Zen 3, AVX2) gives a 32 x 32 float32
+    product's rows other bits under 20 of 20 row permutations, where a GPU's MMA computes an output the same way
+    wherever its row sits. Here every output is its products summed in k order, so what the tests pin is the
+    kernel's own arithmetic order, on any CPU."""
+    matmul = interpreter.InterpreterBuilder.create_dot
+
+    def dot_in_k_order(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8: not used by these kernels
+            return matmul(self, a, b, d, input_precision, max_num_imprecise_acc)
+        x, w, acc_dtype = _values(a), _values(b), d.data.dtype
+        products = np.zeros(np.broadcast_shapes(d.data.shape, x.shape[:-1] + w.shape[-1:]), acc_dtype)
+        for k in range(x.shape[-1]):
+            products += x[..., :, k, None].astype(acc_dtype) * w[..., None, k, :].astype(acc_dtype)
+        return interpreter.TensorHandle(products + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", dot_in_k_order)
+
+
+def _values(handle) -> np.ndarray:
+    """An interpreter tensor's numbers (it keeps bfloat16 as its uint16 bits)."""
+    if handle.dtype == tl.bfloat16:
+        return (handle.data.astype(np.uint32) << 16).view(np.float32)
+    return handle.data
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
