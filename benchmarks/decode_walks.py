@@ -6,7 +6,9 @@ cache and read from memory.
 Shapes of SmolLM2-135M (9 query heads, 3 KV heads of 64, blocks of 16). Each case is a decode step's attention for
 30 layers: "in cache" repeats one layer's pool 30 times, "from memory" walks 30 distinct pools, as a real step does.
 The vector walks are the same kernel given float32 queries over the same bfloat16 pool (they widen it and compute in
-float32); the tile walks get the bfloat16 queries a bfloat16 model hands them. Best of 5, milliseconds.
+float32; since 2026-12-04 a set's scores over its prefix are bfloat16 pair products where the CPU has AVX512_BF16,
+as every CPU with AMX has); the tile walks get the bfloat16 queries a bfloat16 model hands them (on a CPU without AMX,
+the vector walks again). Best of 5, milliseconds.
 """
 
 from __future__ import annotations

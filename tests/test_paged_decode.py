@@ -15,7 +15,6 @@ from batchprefill.kernels.native import build as native
 from batchprefill.kernels.native import paged_decode
 from batchprefill.kernels.torch.decode_groups import DecodePlan
 from batchprefill.kernels.torch.ops import TorchOps
-from batchprefill.model.loader import multiplies_bfloat16
 from tests.test_prefix_groups import flat_batch
 
 
@@ -97,13 +96,33 @@ def test_a_bfloat16_pool_is_widened_exactly_before_the_float32_arithmetic():
     assert torch.allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("round_queries", [True, False], ids=["bfloat16-valued-queries", "float32-queries"])
+def test_a_set_walking_its_prefix_across_rows_of_a_bfloat16_pool_keeps_float32_accuracy(dim, round_queries):
+    # 6 decodes over 3 shared blocks at 3 query heads per KV head are 18 rows, so the set walks its prefix across
+    # rows. Float32 queries holding bfloat16 values (a bfloat16 model's, widened for this path) take their scores
+    # as bfloat16 pair products where the CPU has AVX512_BF16: exact products, so only the order of the float32
+    # sums moves. Other queries keep the float32 FMAs. Scale 1/sqrt(128) is not a power of two: it multiplies the
+    # scores, not the (then no longer bfloat16) queries.
+    tables, lens = decodes([(3, [1, 15, 16, 40, 2, 17]), (0, [9])], 16)
+    query, k_cache, v_cache, meta = flat_batch([1] * 7, lens, tables, 9, 3, dim, 16, num_blocks=64, seed=dim)
+    if round_queries:
+        query = query.bfloat16().float()
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    scale = dim**-0.5
+    got = TorchOps().attention(query, k_cache, v_cache, meta, scale)
+    want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, scale)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
 # Rounding the softmax weights to bfloat16 for the tile product (as GPU flash attention does) moves an output by
 # up to about 2^-8 of the largest value it averages (values here are standard normal, below 5).
 TILE_TOLERANCE = 2e-2
 
 
 def test_bfloat16_queries_over_a_bfloat16_pool_walk_as_tile_matmuls_where_the_cpu_has_amx(kernel):
-    assert kernel.uses_tiles(16, 64) == multiplies_bfloat16(torch.device("cpu"))
+    # (Linux grants the tile registers on request; an AMD Zen 4 multiplies bfloat16 natively too, but has no tiles)
+    assert kernel.uses_tiles(16, 64) == torch.cpu._is_amx_tile_supported()
     assert not kernel.uses_tiles(8, 64) and not kernel.uses_tiles(16, 40)  # blocks of 8, heads of 40: vector walks
 
 
@@ -239,13 +258,17 @@ def test_chunks_after_cached_keys_in_bfloat16_equal_the_fused_calls_within_the_w
     assert float((got - want).abs().max()) < TILE_TOLERANCE
 
 
-def test_the_plain_build_for_a_cpu_without_avx512_gives_the_same_attention(tmp_path):
-    # built here with AVX-512 switched off, as -march=native makes it on such a CPU (it failed to compile once)
-    library = tmp_path / "plain.so"
-    subprocess.run([os.environ.get("CXX") or "c++", *native.FLAGS, "-mno-avx512f", "-o", str(library),
+@pytest.mark.parametrize("switched_off", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma"]],
+                         ids=["avx2", "plain"])
+def test_the_builds_for_a_cpu_without_avx512_or_avx2_give_the_same_attention(tmp_path, switched_off):
+    # built here with AVX-512 switched off (the AVX2 walks, as -march=native makes them on an AMD Zen 3), and with
+    # AVX2 off too (the plain loops); one failed to compile once. 6 decodes over 3 shared blocks are 18 rows, so the
+    # set walks its prefix vectorized across rows where the build has vector walks
+    library = tmp_path / "build.so"
+    subprocess.run([os.environ.get("CXX") or "c++", *native.FLAGS, *switched_off, "-o", str(library),
                     str(native.SOURCES / "paged_decode.cpp")], check=True, capture_output=True)
-    tables, lens = decodes([(3, [1, 15, 16, 40]), (0, [9])], 16)
-    query, k_cache, v_cache, meta = flat_batch([1] * 5, lens, tables, 9, 3, 64, 16, num_blocks=64, seed=8)
+    tables, lens = decodes([(3, [1, 15, 16, 40, 2, 17]), (0, [9])], 16)
+    query, k_cache, v_cache, meta = flat_batch([1] * 7, lens, tables, 9, 3, 64, 16, num_blocks=64, seed=8)
     plain = TorchOps()
     plain._paged = paged_decode.PagedDecode(ctypes.CDLL(str(library)))
     got = plain.attention(query, k_cache, v_cache, meta, 0.125)

@@ -23,7 +23,7 @@
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -33,10 +33,18 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 namespace {
+
+// Whether a set's shared walk may take its scores as bfloat16 pair products (score_tiles_paired).
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr bool kPairs = true;
+#else
+constexpr bool kPairs = false;
+#endif
 
 inline void widen(const float* source, float* target, int64_t count) { std::memcpy(target, source, count * 4); }
 
@@ -51,16 +59,17 @@ inline void widen(const uint16_t* source, float* target, int64_t count) {
 // exp(x) for x <= 0 (every exponent here is a score minus a running maximum), written so loops over it
 // vectorize: Cephes' expf polynomial on x - n ln2, times 2^n built in the exponent bits (relative error about
 // 1e-7; below -87, where expf is under 1.7e-38, it returns 2^-126, nothing beside the maximum's exp(0) = 1).
+// The vector versions below take the same steps in registers.
+constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kExpPolynomial[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                    4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float n = std::floor(x * kLog2e + 0.5f);
+  const float r = x - n * kLn2High - n * kLn2Low;
+  float p = kExpPolynomial[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPolynomial[i];
   p = p * r * r + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float power;
@@ -91,6 +100,7 @@ struct Pool {
 // Per-thread buffers: a block widened (bfloat16 pools), scores, and the query rows' copies.
 struct Scratch {
   std::vector<float> keys, values, scores, rescales, rows, transposed;
+  std::vector<uint32_t> pairs;  // a set's queries as bfloat16 pairs, [heads][dim / 2][padded rows] (walk_many)
 };
 
 inline float dot_plain(const float* a, const float* b, int64_t dim) {
@@ -156,16 +166,11 @@ inline void dot_rows(const float* query, int64_t n, const float* key, int64_t di
 // exp_nonpositive on 16 lanes (the same steps as the scalar one): the compiler left that loop scalar.
 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x));
+  __m512 p = _mm512_set1_ps(kExpPolynomial[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPolynomial[i]));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   const __m512i power = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(power));
@@ -293,9 +298,57 @@ inline void accumulate_many(const float* weights, int64_t padded, const float* v
 // head: each head's query transposed to [dim][padded rows], each key element broadcast against 16 rows at
 // once, so no dot product needs a horizontal reduction and the softmax state of 16 rows moves in one register.
 // State: maxes and sums [heads][padded], acc [heads][n][dim]; scores are kept [token][padded rows].
+#if defined(__AVX512BF16__)
+// score_tiles with the products taken as bfloat16 pairs (AVX512_BF16's VDPBF16PS, AMD Zen 4 and Intel since
+// Cooper Lake): the query [dim / 2][padded rows] of 2 x bfloat16, each key pair broadcast straight from a bfloat16
+// pool, so half the instructions of the float32 FMAs and no widened copy of the keys. The pairs' products are exact
+// in float32 and summed in float32, so the scores differ from score_tiles' only in the order of the sums (the
+// caller passes pairs only for queries bfloat16 holds exactly); they are scaled here, not in the query. 9 sets of 9
+// decodes over 448 shared tokens, one thread, 30 layers: 44.8 -> 36.9 ms in cache, 54.5 -> 48.0 from memory
+// (benchmarks/walk_builds.py --dtype bfloat16, AMD EPYC Zen 4); the values stay float32 FMAs, whose weights would
+// have to be rounded to bfloat16 to pair them.
+template <int Tiles>
+inline void score_tiles_paired(const uint32_t* query, int64_t padded, int64_t tile, const uint16_t* k, int64_t stride,
+                               int64_t count, int64_t dim, float scale, float* scores) {
+  const __m512 scaling = _mm512_set1_ps(scale);
+  for (int64_t first = 0; first < count; first += 8) {
+    const uint32_t* key[8];
+    for (int i = 0; i < 8; ++i) key[i] = reinterpret_cast<const uint32_t*>(k + std::min(first + i, count - 1) * stride);
+    __m512 sum[Tiles][8];
+    for (int j = 0; j < Tiles; ++j)
+      for (int i = 0; i < 8; ++i) sum[j][i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < dim / 2; ++p) {
+      __m512bh column[Tiles];
+      for (int j = 0; j < Tiles; ++j) column[j] = (__m512bh)_mm512_loadu_si512(query + p * padded + tile + 16 * j);
+      for (int i = 0; i < 8; ++i) {
+        const __m512bh element = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(key[i][p]));
+        for (int j = 0; j < Tiles; ++j) sum[j][i] = _mm512_dpbf16_ps(sum[j][i], column[j], element);
+      }
+    }
+    for (int i = 0; i < 8 && first + i < count; ++i)
+      for (int j = 0; j < Tiles; ++j)
+        _mm512_storeu_ps(scores + (first + i) * padded + tile + 16 * j, _mm512_mul_ps(sum[j][i], scaling));
+  }
+}
+#endif
+
+// A set's scores against a block's keys, 48, 32 or 16 rows at a time: from float32 queries (`transposed`, scaled)
+// or, where `paired` is given, from bfloat16 query pairs over a bfloat16 pool (unscaled; see score_tiles_paired).
+template <int Tiles, typename Cache>
+inline void score_head(const float* transposed, const uint32_t* paired, int64_t padded, int64_t tile, const float* k,
+                       const Cache* raw, int64_t stride, int64_t count, int64_t dim, float scale, float* scores) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<Cache, uint16_t>) {
+    if (paired) return score_tiles_paired<Tiles>(paired, padded, tile, raw, stride, count, dim, scale, scores);
+  }
+#endif
+  score_tiles<Tiles>(transposed, padded, tile, k, stride, count, dim, scores);
+}
+
 template <typename Cache>
 void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Cache>& pool, const int64_t* blocks,
-               int64_t length, Scratch& s, float* maxes, float* sums, float* acc) {
+               int64_t length, Scratch& s, float* maxes, float* sums, float* acc, const uint32_t* paired = nullptr,
+               float scale = 1.0f) {
   const int64_t block = pool.block, stride = pool.token_stride, dim = pool.dim;
   float* scores = s.scores.data();
   float* rescales = s.rescales.data();
@@ -304,22 +357,32 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
     if ((b + 1) * block < length)
       prefetch(pool.k_cache, pool.v_cache, blocks[b + 1] * pool.block_stride,
                std::min(block, length - (b + 1) * block) * stride);
-    const auto [k, v] = as_float(pool.k_cache, pool.v_cache, blocks[b] * pool.block_stride, count * stride,
-                                 s.keys.data(), s.values.data());
+    const Cache* raw_keys = pool.k_cache + blocks[b] * pool.block_stride;
+    const float* k = nullptr;
+    const float* v = nullptr;
+    if (paired) {  // the keys stay bfloat16; only the values are widened
+      widen(pool.v_cache + blocks[b] * pool.block_stride, s.values.data(), count * stride);
+      v = s.values.data();
+    } else {
+      std::tie(k, v) = as_float(pool.k_cache, pool.v_cache, blocks[b] * pool.block_stride, count * stride,
+                                s.keys.data(), s.values.data());
+    }
     for (int64_t h = 0; h < pool.heads; ++h) {
       const float* query = transposed + h * dim * padded;
+      const uint32_t* pairs = paired ? paired + h * (dim / 2) * padded : nullptr;
+      const float* key = k ? k + h * dim : nullptr;
       float* head_max = maxes + h * padded;
       float* head_sum = sums + h * padded;
       for (int64_t tile = 0; tile < padded;) {
         const int64_t left = (padded - tile) / 16;
         if (left >= 3) {
-          score_tiles<3>(query, padded, tile, k + h * dim, stride, count, dim, scores);
+          score_head<3>(query, pairs, padded, tile, key, raw_keys + h * dim, stride, count, dim, scale, scores);
           tile += 48;
         } else if (left == 2) {
-          score_tiles<2>(query, padded, tile, k + h * dim, stride, count, dim, scores);
+          score_head<2>(query, pairs, padded, tile, key, raw_keys + h * dim, stride, count, dim, scale, scores);
           tile += 32;
         } else {
-          score_tiles<1>(query, padded, tile, k + h * dim, stride, count, dim, scores);
+          score_head<1>(query, pairs, padded, tile, key, raw_keys + h * dim, stride, count, dim, scale, scores);
           tile += 16;
         }
       }
@@ -337,6 +400,191 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
         _mm512_storeu_ps(rescales + tile, rescale);
         _mm512_storeu_ps(head_max + tile, running);
         _mm512_storeu_ps(head_sum + tile, _mm512_fmadd_ps(_mm512_loadu_ps(head_sum + tile), rescale, added));
+      }
+      accumulate_many(scores, padded, v + h * dim, count, stride, rescales, n, acc + h * n * dim, dim);
+    }
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same walks in AVX2's 8-lane registers (AMD Zen 2 and 3, Intel before AVX-512), where the plain loops left
+// each dot product's 8 lanes to a scalar reduction and walk_many's row-vectorized shared walk did not exist. AVX2
+// has 16 vector registers, not 32, so every product is blocked smaller: 2 sums per row in a dot product, 2 rows of
+// 32 dimensions or 1 row of 64 in the weights-times-values sums, 16 rows by 4 tokens in the shared walk's scores.
+// Against the plain loops, one thread, 30 layers (benchmarks/walk_builds.py --switch-off=-mno-avx512f, an AMD EPYC
+// with AVX-512 switched off): 9 sets of 9 decodes over 448 shared tokens 176 -> 53 ms in cache, 179 -> 70 from
+// memory; 81 lone decodes of 128 tokens 50 -> 23 and 61 -> 52.
+constexpr bool kWide = true;
+
+inline float sum_lanes(__m256 x) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+// Up to four rows' dot products with one key (dim a multiple of 16), each row's even and odd 8-lane steps in two
+// sums (one chain of dependent FMAs per row was the bound), the four reduced together by two horizontal adds: every
+// row by the same tree wherever it sits among the four. A missing row repeats the last.
+inline void dot_rows(const float* query, int64_t n, const float* key, int64_t dim, float scale, float* scores,
+                     int64_t stride) {
+  const float* q[4] = {query, query + std::min<int64_t>(1, n - 1) * dim, query + std::min<int64_t>(2, n - 1) * dim,
+                       query + std::min<int64_t>(3, n - 1) * dim};
+  __m256 even[4], odd[4];
+  for (int r = 0; r < 4; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m256 k0 = _mm256_loadu_ps(key + d), k1 = _mm256_loadu_ps(key + d + 8);
+    for (int r = 0; r < 4; ++r) {
+      even[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d), k0, even[r]);
+      odd[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + d + 8), k1, odd[r]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) even[r] = _mm256_add_ps(even[r], odd[r]);
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(even[0], even[1]), _mm256_hadd_ps(even[2], even[3]));
+  alignas(16) float sums[4];
+  _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+  for (int64_t r = 0; r < n; ++r) scores[r * stride] = scale * sums[r];
+}
+
+// exp_nonpositive on 8 lanes (the same steps as the AVX-512 one).
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x));
+  __m256 p = _mm256_set1_ps(kExpPolynomial[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPolynomial[i]));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+// scores[0:count] = exp(scores - running); returns their sum (8 lanes at a time, masked at the end).
+inline float exponentiate(float* scores, int64_t count, float running) {
+  __m256 total = _mm256_setzero_ps();
+  const __m256 shift = _mm256_set1_ps(running);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t t = 0; t < count; t += 8) {
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(count - t)), lane);
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(scores + t, lanes), shift));
+    _mm256_maskstore_ps(scores + t, lanes, e);
+    total = _mm256_add_ps(total, _mm256_and_ps(e, _mm256_castsi256_ps(lanes)));
+  }
+  return sum_lanes(total);
+}
+
+// acc[0:8 Chunks] = acc * rescale + sum over t of weights[t * weight_stride] * values[t * stride :], the row in
+// registers, two tokens a step: 8 chunks are 8 independent FMA chains, enough for both FMA units.
+template <int Chunks>
+inline void accumulate_fixed(const float* weights, int64_t weight_stride, const float* values, int64_t count,
+                             int64_t stride, float rescale, float* acc) {
+  __m256 sum[Chunks];
+  const __m256 factor = _mm256_set1_ps(rescale);
+  for (int c = 0; c < Chunks; ++c) sum[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), factor);
+  for (int64_t t = 0; t < count; ++t) {
+    const __m256 w = _mm256_set1_ps(weights[t * weight_stride]);
+    const float* v = values + t * stride;
+    for (int c = 0; c < Chunks; ++c) sum[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), sum[c]);
+  }
+  for (int c = 0; c < Chunks; ++c) _mm256_storeu_ps(acc + 8 * c, sum[c]);
+}
+
+inline void accumulate(const float* weights, int64_t weight_stride, const float* values, int64_t count,
+                       int64_t stride, float rescale, float* acc, int64_t dim) {
+  int64_t d = 0;
+  for (; d + 64 <= dim; d += 64)
+    accumulate_fixed<8>(weights, weight_stride, values + d, count, stride, rescale, acc + d);
+  for (; d < dim; d += 8) accumulate_fixed<1>(weights, weight_stride, values + d, count, stride, rescale, acc + d);
+}
+
+// Scores of 16 rows (two 8-row tiles) against 4 tokens at a time (query transposed [dim][padded rows], scores
+// [token][padded rows]): each key element broadcast once for both tiles, 8 FMAs per 6 loads in 11 registers. A tail
+// pass repeats its last token and stores only the real ones.
+inline void score_tile_pair(const float* query, int64_t padded, int64_t tile, const float* k, int64_t stride,
+                            int64_t count, int64_t dim, float* scores) {
+  for (int64_t first = 0; first < count; first += 4) {
+    const float* key[4];
+    for (int i = 0; i < 4; ++i) key[i] = k + std::min(first + i, count - 1) * stride;
+    __m256 sum[2][4];
+    for (int j = 0; j < 2; ++j)
+      for (int i = 0; i < 4; ++i) sum[j][i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m256 low = _mm256_loadu_ps(query + d * padded + tile), high = _mm256_loadu_ps(query + d * padded + tile + 8);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 element = _mm256_broadcast_ss(key[i] + d);
+        sum[0][i] = _mm256_fmadd_ps(element, low, sum[0][i]);
+        sum[1][i] = _mm256_fmadd_ps(element, high, sum[1][i]);
+      }
+    }
+    for (int i = 0; i < 4 && first + i < count; ++i)
+      for (int j = 0; j < 2; ++j) _mm256_storeu_ps(scores + (first + i) * padded + tile + 8 * j, sum[j][i]);
+  }
+}
+
+// Two rows' weights-times-values sums over 32 dimensions (weights [token][padded rows]): each value vector loaded
+// once for both rows, 8 sums and 4 values in registers.
+inline void accumulate_two_rows(const float* weights, int64_t weight_stride, const float* values, int64_t count,
+                                int64_t stride, const float* rescales, float* acc, int64_t dim) {
+  __m256 sum[2][4];
+  for (int i = 0; i < 2; ++i) {
+    const __m256 factor = _mm256_set1_ps(rescales[i]);
+    for (int c = 0; c < 4; ++c) sum[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * dim + 8 * c), factor);
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    __m256 value[4];
+    for (int c = 0; c < 4; ++c) value[c] = _mm256_loadu_ps(values + t * stride + 8 * c);
+    for (int i = 0; i < 2; ++i) {
+      const __m256 weight = _mm256_broadcast_ss(weights + t * weight_stride + i);
+      for (int c = 0; c < 4; ++c) sum[i][c] = _mm256_fmadd_ps(weight, value[c], sum[i][c]);
+    }
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + i * dim + 8 * c, sum[i][c]);
+}
+
+inline void accumulate_many(const float* weights, int64_t padded, const float* values, int64_t count, int64_t stride,
+                            const float* rescales, int64_t n, float* acc, int64_t dim) {
+  int64_t r = 0;
+  if (dim % 32 == 0) {
+    for (; r + 2 <= n; r += 2)
+      for (int64_t d = 0; d < dim; d += 32)
+        accumulate_two_rows(weights + r, padded, values + d, count, stride, rescales + r, acc + r * dim + d, dim);
+  }
+  for (; r < n; ++r) accumulate(weights + r, padded, values, count, stride, rescales[r], acc + r * dim, dim);
+}
+
+// walk_many (see the AVX-512 one above) with 8-row lanes.
+template <typename Cache>
+void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Cache>& pool, const int64_t* blocks,
+               int64_t length, Scratch& s, float* maxes, float* sums, float* acc) {
+  const int64_t block = pool.block, stride = pool.token_stride, dim = pool.dim;
+  float* scores = s.scores.data();
+  float* rescales = s.rescales.data();
+  for (int64_t b = 0; b * block < length; ++b) {
+    const int64_t count = std::min(block, length - b * block);
+    if ((b + 1) * block < length)
+      prefetch(pool.k_cache, pool.v_cache, blocks[b + 1] * pool.block_stride,
+               std::min(block, length - (b + 1) * block) * stride);
+    const auto [k, v] = as_float(pool.k_cache, pool.v_cache, blocks[b] * pool.block_stride, count * stride,
+                                 s.keys.data(), s.values.data());
+    for (int64_t h = 0; h < pool.heads; ++h) {
+      const float* query = transposed + h * dim * padded;
+      float* head_max = maxes + h * padded;
+      float* head_sum = sums + h * padded;
+      for (int64_t tile = 0; tile < padded; tile += 16)
+        score_tile_pair(query, padded, tile, k + h * dim, stride, count, dim, scores);
+      for (int64_t tile = 0; tile < padded; tile += 8) {
+        const __m256 previous = _mm256_loadu_ps(head_max + tile);
+        __m256 running = previous;
+        for (int64_t t = 0; t < count; ++t) running = _mm256_max_ps(running, _mm256_loadu_ps(scores + t * padded + tile));
+        __m256 added = _mm256_setzero_ps();
+        for (int64_t t = 0; t < count; ++t) {
+          const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t * padded + tile), running));
+          _mm256_storeu_ps(scores + t * padded + tile, e);
+          added = _mm256_add_ps(added, e);
+        }
+        const __m256 rescale = exp_nonpositive(_mm256_sub_ps(previous, running));
+        _mm256_storeu_ps(rescales + tile, rescale);
+        _mm256_storeu_ps(head_max + tile, running);
+        _mm256_storeu_ps(head_sum + tile, _mm256_fmadd_ps(_mm256_loadu_ps(head_sum + tile), rescale, added));
       }
       accumulate_many(scores, padded, v + h * dim, count, stride, rescales, n, acc + h * n * dim, dim);
     }
@@ -447,6 +695,32 @@ inline std::pair<int64_t, int64_t> plan_sizes(const Plan& plan) {
   return {decodes, (most + 15) / 16 * 16};
 }
 
+// A set's query rows (members x heads, unscaled) as bfloat16 pairs of adjacent dimensions, [kv heads][dim / 2]
+// [width rows], the padding rows zero, for score_tiles_paired; false, leaving them unfinished, where a value is
+// not a bfloat16 exactly (a float32 model over a bfloat16 pool keeps the float32 walk, which does not round its
+// queries). A bfloat16 model's queries, widened for this kernel, always are.
+inline bool pair_queries(const float* query, const int64_t* member_rows, int64_t members, int64_t row_stride,
+                         int64_t kv_heads, int64_t per_kv, int64_t dim, int64_t width, uint32_t* pairs) {
+  const int64_t n = members * per_kv;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    uint32_t* head = pairs + h * (dim / 2) * width;
+    for (int64_t r = 0; r < n; ++r) {
+      const float* row = query + member_rows[r / per_kv] * row_stride + (h * per_kv + r % per_kv) * dim;
+      uint32_t inexact = 0;
+      for (int64_t p = 0; p < dim / 2; ++p) {
+        uint32_t even, odd;
+        std::memcpy(&even, row + 2 * p, 4);
+        std::memcpy(&odd, row + 2 * p + 1, 4);
+        inexact |= (even | odd) & 0xFFFFu;
+        head[p * width + r] = (even >> 16) | (odd & 0xFFFF0000u);
+      }
+      if (inexact) return false;
+    }
+    for (int64_t p = 0; p < dim / 2; ++p) std::fill(head + p * width + n, head + (p + 1) * width, 0u);
+  }
+  return true;
+}
+
 template <bool Wide, typename Cache>
 void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, float scale, float* out,
                  int threads) {
@@ -469,6 +743,7 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
     s.rescales.resize(padded);
     s.rows.resize(kv_heads * padded * dim);
     s.transposed.resize(kv_heads * dim * padded);
+    if (kPairs && std::is_same_v<Cache, uint16_t>) s.pairs.resize(kv_heads * (dim / 2) * padded);
     std::vector<float> state(kv_heads * padded * (2 + dim));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t set = 0; set < num_sets; ++set) {
@@ -490,13 +765,25 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
           for (int64_t i = 0; i < per_kv * dim; ++i)
             query_rows[(h * n + m * per_kv) * dim + i] = scale * query[rows[first + m] * row_stride + h * per_kv * dim + i];
       if (many) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         float* transposed = s.transposed.data();
-        std::fill(transposed, transposed + kv_heads * dim * width, 0.0f);
-        for (int64_t h = 0; h < kv_heads; ++h)
-          for (int64_t r = 0; r < n; ++r)
-            for (int64_t d = 0; d < dim; ++d) transposed[(h * dim + d) * width + r] = query_rows[(h * n + r) * dim + d];
+        const uint32_t* paired = nullptr;
+        if constexpr (kPairs && std::is_same_v<Cache, uint16_t>) {
+          if (pair_queries(query, rows + first, members, row_stride, kv_heads, per_kv, dim, width, s.pairs.data()))
+            paired = s.pairs.data();
+        }
+        if (!paired) {
+          std::fill(transposed, transposed + kv_heads * dim * width, 0.0f);
+          for (int64_t h = 0; h < kv_heads; ++h)
+            for (int64_t r = 0; r < n; ++r)
+              for (int64_t d = 0; d < dim; ++d) transposed[(h * dim + d) * width + r] = query_rows[(h * n + r) * dim + d];
+        }
+#if defined(__AVX512F__)
+        walk_many(transposed, n, width, pool, plan.shared_blocks + set * plan.shared_width, shared, s, maxes, sums, acc,
+                  paired, scale);
+#else
         walk_many(transposed, n, width, pool, plan.shared_blocks + set * plan.shared_width, shared, s, maxes, sums, acc);
+#endif
 #endif
       } else {
         walk_few<Wide>(query_rows, n, pool, plan.shared_blocks + set * plan.shared_width, shared, s, maxes, sums, acc);
@@ -631,7 +918,7 @@ struct TileScratch {
 // to bfloat16 (2^-9) for the tile product anyway; in the walks over a decode's own blocks, where 3 of a tile's 16
 // rows are real, the exponentials were a third of the time.
 inline __m512 exp_weights(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(kLog2e));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(1.3333558e-3f);
