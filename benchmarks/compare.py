@@ -297,7 +297,7 @@ def main() -> None:
     names = ["shared"] if args.only == "orders" else None if args.only == "all" else args.only.split(",")
     folder = wl_folder(args.model)
     meta = {"command": " ".join(sys.argv), "model": str(folder), "threads": args.threads, "cpus": os.cpu_count(),
-            "dtype": args.dtype, "max_batched_tokens": args.max_batched_tokens,
+            "cpu": wl.cpu_model(), "dtype": args.dtype, "max_batched_tokens": args.max_batched_tokens,
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     cases = []
     for workload in wl.all_workloads():

@@ -48,12 +48,17 @@ QUESTIONS = [
 
 
 def cpu_model() -> str:
-    """`lscpu`'s model name, recorded beside each figure: sessions run on different machines."""
+    """`lscpu`'s model name and the widest of its vector features, recorded beside each figure: sessions run on
+    different machines, and a virtual machine may name only the vendor ("AMD EPYC" was a Zen 3 one day, a Zen 4 the
+    next), where the features tell them apart: "AMD EPYC (avx512_bf16)"."""
     try:
         lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
     except (OSError, StopIteration):
         return "unknown"
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("Flags")), [])
+    widest = next((flag for flag in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if flag in flags), None)
+    return f"{name} ({widest})" if widest else name
 
 
 def sentence(rng: random.Random) -> str:

@@ -4,7 +4,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: kernels run on the CPU
 # Jobs the tests start run the shipped model in float32 whatever the CPU (model.dtype=auto would pick bfloat16 on
-# one with AMX); the bfloat16 tests ask for it by name.
+# one with AMX or AVX-512 bfloat16); the bfloat16 tests ask for it by name.
 os.environ.setdefault("BATCHPREFILL_MODEL_DTYPE", "float32")
 
 from pathlib import Path  # noqa: E402

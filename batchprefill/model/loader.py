@@ -77,15 +77,20 @@ def resolve_device(name: str) -> torch.device:
 
 
 def multiplies_bfloat16(device: torch.device) -> bool:
-    """Whether this CPU multiplies bfloat16 in matrix units (AMX) that oneDNN drives.
+    """Whether this CPU multiplies bfloat16 natively, in AMX tiles or AVX-512 bfloat16 dot products, which oneDNN
+    drives.
 
-    There bfloat16 is the faster precision: a decode step of SmolLM2-135M at 80 sequences took 72 ms in bfloat16
-    against about 150 ms in float32 (benchmarks/step_ops.py, Intel Xeon with AMX, BENCHMARKS.md). A CPU with
-    bfloat16 dot products but no tiles (AMD Zen 4) runs bfloat16 correctly when asked, but is not assumed faster.
+    There bfloat16 is the faster precision. With AMX, a decode step of SmolLM2-135M at 80 sequences took 55 ms in
+    bfloat16 against 148 ms in float32 (benchmarks/step_ops.py, Intel Xeon). With dot products but no tiles (AMD
+    EPYC Zen 4, `avx512_bf16`), 0.69-0.72x float32's time, and the engine loops of whole jobs ran 1.52x (shared
+    prefixes), 1.41x (128-token answers) and 1.59x (a corpus) faster (benchmarks/compare.py; BENCHMARKS.md). A CPU
+    with AVX-512 but no bfloat16 instructions (Intel Skylake-SP) would emulate them, and one without AVX-512 has
+    neither.
     """
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return (device.type == "cpu" and amx is not None and bool(amx())
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    native = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(check is not None and bool(check()) for check in native)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -103,8 +108,8 @@ def dtype_choice(name: str, device: torch.device) -> str:
         return f"{chosen} (model.dtype={name})"
     if device.type == "cuda":
         return f"{chosen} (model.dtype=auto on a GPU)"
-    why = "this CPU multiplies bfloat16 in AMX tiles" if multiplies_bfloat16(device) else (
-        "this CPU has no AMX tiles, where bfloat16 is not faster")
+    why = "this CPU multiplies bfloat16 natively" if multiplies_bfloat16(device) else (
+        "this CPU has no bfloat16 instructions, where bfloat16 is not faster")
     return f"{chosen} (model.dtype=auto: {why})"
 
 
