@@ -507,7 +507,8 @@ inline void score_tile_pair(const float* query, int64_t padded, int64_t tile, co
     for (int j = 0; j < 2; ++j)
       for (int i = 0; i < 4; ++i) sum[j][i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; ++d) {
-      const __m256 low = _mm256_loadu_ps(query + d * padded + tile), high = _mm256_loadu_ps(query + d * padded + tile + 8);
+      const __m256 low = _mm256_loadu_ps(query + d * padded + tile);
+      const __m256 high = _mm256_loadu_ps(query + d * padded + tile + 8);
       for (int i = 0; i < 4; ++i) {
         const __m256 element = _mm256_broadcast_ss(key[i] + d);
         sum[0][i] = _mm256_fmadd_ps(element, low, sum[0][i]);
@@ -574,7 +575,8 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
       for (int64_t tile = 0; tile < padded; tile += 8) {
         const __m256 previous = _mm256_loadu_ps(head_max + tile);
         __m256 running = previous;
-        for (int64_t t = 0; t < count; ++t) running = _mm256_max_ps(running, _mm256_loadu_ps(scores + t * padded + tile));
+        for (int64_t t = 0; t < count; ++t)
+          running = _mm256_max_ps(running, _mm256_loadu_ps(scores + t * padded + tile));
         __m256 added = _mm256_setzero_ps();
         for (int64_t t = 0; t < count; ++t) {
           const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t * padded + tile), running));
@@ -759,30 +761,35 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
       std::fill(maxes, maxes + kv_heads * width, -FLT_MAX);
       std::fill(sums, sums + kv_heads * width, 0.0f);
       std::fill(acc, acc + kv_heads * n * dim, 0.0f);
-      float* query_rows = s.rows.data();  // [heads][n][dim]
-      for (int64_t m = 0; m < members; ++m)
-        for (int64_t h = 0; h < kv_heads; ++h)
-          for (int64_t i = 0; i < per_kv * dim; ++i)
-            query_rows[(h * n + m * per_kv) * dim + i] = scale * query[rows[first + m] * row_stride + h * per_kv * dim + i];
+      const uint32_t* paired = nullptr;  // the rows as bfloat16 pairs, read from `query` itself
+      if constexpr (kPairs && std::is_same_v<Cache, uint16_t>) {
+        if (many &&
+            pair_queries(query, rows + first, members, row_stride, kv_heads, per_kv, dim, width, s.pairs.data()))
+          paired = s.pairs.data();
+      }
+      float* query_rows = s.rows.data();  // [heads][n][dim], scaled
+      if (!paired)
+        for (int64_t m = 0; m < members; ++m)
+          for (int64_t h = 0; h < kv_heads; ++h)
+            for (int64_t i = 0; i < per_kv * dim; ++i)
+              query_rows[(h * n + m * per_kv) * dim + i] =
+                  scale * query[rows[first + m] * row_stride + h * per_kv * dim + i];
       if (many) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
         float* transposed = s.transposed.data();
-        const uint32_t* paired = nullptr;
-        if constexpr (kPairs && std::is_same_v<Cache, uint16_t>) {
-          if (pair_queries(query, rows + first, members, row_stride, kv_heads, per_kv, dim, width, s.pairs.data()))
-            paired = s.pairs.data();
-        }
         if (!paired) {
           std::fill(transposed, transposed + kv_heads * dim * width, 0.0f);
           for (int64_t h = 0; h < kv_heads; ++h)
             for (int64_t r = 0; r < n; ++r)
-              for (int64_t d = 0; d < dim; ++d) transposed[(h * dim + d) * width + r] = query_rows[(h * n + r) * dim + d];
+              for (int64_t d = 0; d < dim; ++d)
+                transposed[(h * dim + d) * width + r] = query_rows[(h * n + r) * dim + d];
         }
 #if defined(__AVX512F__)
         walk_many(transposed, n, width, pool, plan.shared_blocks + set * plan.shared_width, shared, s, maxes, sums, acc,
                   paired, scale);
 #else
-        walk_many(transposed, n, width, pool, plan.shared_blocks + set * plan.shared_width, shared, s, maxes, sums, acc);
+        walk_many(transposed, n, width, pool, plan.shared_blocks + set * plan.shared_width, shared, s, maxes, sums,
+                  acc);
 #endif
 #endif
       } else {
