@@ -49,6 +49,12 @@ class PaddedDecode:
         if capture:
             self._capture_all(device)
 
+    def close(self) -> None:
+        """Drop the graphs (their memory pool goes with them), the references to the KV pool and the buffers."""
+        self.graphs.clear()
+        self.kv_caches = []
+        self.longs = self.seq_lens = self.block_tables = self._staged = self._host = None
+
     def fits(self, batch: int) -> bool:
         return batch <= self.sizes[-1]
 

@@ -59,6 +59,19 @@ class Engine:
         self.state_readouts = False
         self.logprobs = False
 
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Give back the KV pool and the decode graphs now, not when the garbage collector next finds them: a Runner
+        running several jobs on one GPU, or lm-eval calling us per task, needs each job's memory back before the
+        next one sizes its pool (on the first H200 run, 83 GiB stayed held after `del engine` until `gc.collect()`).
+        The engine cannot run after this; its counters stay readable."""
+        self.runner.close()
+
     def add(self, request: Request) -> None:
         need = max(r.num_prompt_tokens + r.sampling.max_tokens for r in (request, *request.forks))
         self.forking |= bool(request.forks)

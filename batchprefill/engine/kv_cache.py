@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from batchprefill.errors import JobError
 from batchprefill.intmath import cdiv
 from batchprefill.model.config import ModelConfig
+from batchprefill.units import readable_bytes
 
 CPU_KV_MEMORY_FRACTION = 0.25
 GPU_KV_MEMORY_FRACTION = 0.8
@@ -20,7 +22,13 @@ def pool_blocks(config: ModelConfig, kv_dtype: torch.dtype, device: torch.device
     if requested_tokens is not None:
         return max(1, min(requested_tokens // block_size, usable))
     per_block = config.kv_bytes_per_token(torch.finfo(kv_dtype).bits // 8) * block_size
-    return max(1, min(int(_free_memory(device) // per_block), usable))
+    room = int(_free_memory(device) // per_block)
+    smallest = min(usable, max_num_seqs)  # a block per sequence that may run: less would only ever preempt
+    if device.type == "cuda" and room < smallest:
+        raise JobError(f"the KV pool needs at least {readable_bytes(smallest * per_block)} ({smallest} blocks of "
+                       f"{block_size} tokens) but {readable_bytes(room * per_block)} of {device} is left after the "
+                       "model: lower engine.max_num_seqs, set engine.kv_cache_tokens, or use a GPU with more memory")
+    return max(1, min(room, usable))
 
 
 def _free_memory(device: torch.device) -> float:

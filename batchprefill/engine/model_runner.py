@@ -35,6 +35,16 @@ class ModelRunner:
         # and so does the padded decode path, whose buffers (and CUDA graphs) hold logits.
         self.fused_greedy = device.type == "cpu" and self.decoder is None
 
+    def close(self) -> None:
+        """Drop the KV pool and the padded decode buffers and graphs (`Engine.close`); on CUDA, hand the freed
+        memory back to the device, so the next pool is sized from what is really free."""
+        if self.decoder is not None:
+            self.decoder.close()
+        self.decoder = None
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def release(self, request: Request) -> None:
         self.batch.release(request)
 

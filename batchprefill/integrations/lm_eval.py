@@ -145,7 +145,7 @@ class BatchprefillLM(TemplateLM):
         tokens = sum(r.num_prompt_tokens + r.sampling.max_tokens for r in requests)
         tokens += sum(f.num_prompt_tokens for r in requests for f in r.forks)
         engine = engine_on(self.job, self.model, self.tokenizer_files, tokens)
-        with tqdm(total=total, desc=kind, unit="req", disable=disable_tqdm) as bar:
+        with engine, tqdm(total=total, desc=kind, unit="req", disable=disable_tqdm) as bar:
             for request in engine.generate(ordered):
                 if request.error is not None:
                     raise JobError(f"{kind} request {request.request_id} cannot run: {request.error}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from batchprefill.model.loader import LoadedModel, load_model, make_ops, resolve
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.prepare import ModelFiles, Prepared
 from batchprefill.settings import JobSettings
+from batchprefill.units import readable_bytes
 
 
 @dataclass
@@ -71,7 +74,9 @@ def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
     dtype = resolve_dtype(job.model.dtype, device)
     kv_dtype = dtype if settings.kv_cache_dtype == "auto" else resolve_dtype(settings.kv_cache_dtype, device)
     ops = make_ops(settings.attention_backend, device, settings.batch_invariant)
-    loaded = load_model(files.folder, dtype, device, ops, files.config, files.identity)
+    with device_memory(device, f"model {files.folder} in {str(dtype).removeprefix('torch.')}",
+                       "use a GPU with more memory or a smaller model"):
+        loaded = load_model(files.folder, dtype, device, ops, files.config, files.identity)
     adapter_scope = attach_job_adapters(job, loaded, files.config, dtype, device)
     return JobModel(loaded, files, device, dtype, kv_dtype, ops.graph_safe_decode, adapter_scope)
 
@@ -100,4 +105,18 @@ def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tok
     config = EngineConfig(settings, num_blocks, padded_decode="graphs" if graphs else "off")
     scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
              model_config.layer_windows, settings.block_size, model.adapter_scope)
-    return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured)
+    pool = num_blocks * settings.block_size * model_config.kv_bytes_per_token(torch.finfo(kv_dtype).bits // 8)
+    with device_memory(device, f"a KV pool of {readable_bytes(pool)} and the decode graphs",
+                       "lower engine.max_num_seqs or engine.kv_cache_tokens, or use a GPU with more memory"):
+        return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured)
+
+
+@contextmanager
+def device_memory(device: torch.device, what: str, advice: str) -> Iterator[None]:
+    """A device that runs out of memory while `what` is allocated ends the job in one line saying what did not fit,
+    how much was free, and what to change, not in a CUDA traceback."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+        raise JobError(f"{device} ran out of memory for {what} ({readable_bytes(free)} free now): {advice}") from None

@@ -79,6 +79,7 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
         sys.exit(SIGTERM_EXIT_STATUS)
     finally:  # before any error line: a bar left open redraws itself at exit, after it
         bar.close()
+        engine.close()  # the pool goes back now: a Runner's next job on this device sizes its own from free memory
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
     stats = job_row(totals, engine.counters, engine.config, time.perf_counter() - started)

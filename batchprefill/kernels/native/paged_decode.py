@@ -183,6 +183,7 @@ class PagedDecode:
 
     def run(self, plan: PagedPlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
             out: torch.Tensor) -> None:
+        on_host(query, k_cache, v_cache, out)
         _, q_heads, dim = query.shape
         kv_heads = k_cache.shape[2]
         tiles = (query.dtype == k_cache.dtype == out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -207,6 +208,14 @@ class PagedDecode:
                                        target.data_ptr(), torch.get_num_threads(), int(plan.fixed_order), skips)
         if target is not out:
             out.index_copy_(0, plan.rows, target.index_select(0, plan.rows).to(out.dtype))
+
+
+def on_host(*tensors: torch.Tensor) -> None:
+    """Refuse, in one line, any tensor the C++ code cannot read: it takes raw pointers into host memory, so a device
+    pointer (a CUDA tensor) would crash the process, as it did on the first GPU run (`attention_backend=torch`)."""
+    elsewhere = sorted({str(t.device) for t in tensors if t.device.type != "cpu"})
+    if elsewhere:
+        raise ValueError(f"the CPU kernel reads host memory only, and was handed tensors on {', '.join(elsewhere)}")
 
 
 def _decode_sets(meta: AttentionMetadata, decodes: list[int], tables: list[list[int]], block: int,

@@ -99,7 +99,8 @@ class TorchOps:
         chunks alone."""
         block, per_kv = k_cache.shape[1], num_q_heads // k_cache.shape[2]
         lens, tables = meta.query_lens_host, meta.block_tables.tolist()
-        paged = self._paged is not None and self._paged.supports(k_cache.dtype)
+        # the C++ kernel walks host memory: on a GPU this backend is the reference, all torch ops on the device
+        paged = self._paged is not None and k_cache.device.type == "cpu" and self._paged.supports(k_cache.dtype)
         tiles = paged and dtype == k_cache.dtype == torch.bfloat16 and self._paged.uses_tiles(block, k_cache.shape[3])
         if self.batch_invariant:  # every row through the kernel's one walk: a fused call's tiling follows its shape
             if k_cache.device.type != "cpu":
