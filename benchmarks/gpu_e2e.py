@@ -59,7 +59,9 @@ HOST_WAIT_GOAL = 0.10  # the most of a step's wall time the GPU may spend waitin
 SPIN_MS = 30.0  # GPU spin ahead of each probed pass: longer than the host takes to launch one
 
 
-def random_model(w: Workload, dtype: torch.dtype, device: torch.device, batch_invariant: bool = False) -> DecoderModel:
+def random_model(w: Workload, dtype: torch.dtype, device: torch.device, batch_invariant: bool = False,
+                 values_of: torch.dtype | None = None) -> DecoderModel:
+    """`values_of`: round the weights to this dtype first (a float32 model with a bf16 model's exact weights)."""
     head_dim = w.hidden // w.heads
     config = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=w.vocab, hidden_size=w.hidden, intermediate_size=w.ffn,
@@ -70,7 +72,8 @@ def random_model(w: Workload, dtype: torch.dtype, device: torch.device, batch_in
     generator = torch.Generator(device=device).manual_seed(0)
 
     def weight(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=generator, device=device, dtype=torch.float32) * 0.02).to(dtype)
+        drawn = torch.randn(*shape, generator=generator, device=device, dtype=torch.float32) * 0.02
+        return drawn.to(values_of or dtype).to(dtype)
 
     kv = w.kv_heads * head_dim
     weights = {"model.embed_tokens.weight": weight(w.vocab, w.hidden), "lm_head.weight": weight(w.vocab, w.hidden),
@@ -141,9 +144,9 @@ class GpuTimer:
         model = engine.runner.model
         model.forward = self._timed(model.forward)
         decoder = engine.runner.decoder
-        if decoder is not None:
-            for size, (graph, logits) in decoder.graphs.items():
-                decoder.graphs[size] = (_Replay(self._timed(graph.replay)), logits)
+        self.graphs = dict(decoder.graphs) if decoder is not None else {}  # given back by `restore`
+        for size, (graph, logits) in self.graphs.items():
+            decoder.graphs[size] = (_Replay(self._timed(graph.replay)), logits)
 
     def _timed(self, call):
         def timed(*args, **kwargs):
@@ -159,8 +162,12 @@ class GpuTimer:
         return timed
 
     def restore(self) -> None:
-        """The model is shared by later engines: give it back its own forward."""
+        """The model is shared by later engines: give it back its own forward, and the engine its own graphs (the
+        wrapped replays refer to this timer, which refers to the engine: a cycle that kept an 8B run's pool alive)."""
         del self.engine.runner.model.forward
+        if self.engine.runner.decoder is not None:
+            self.engine.runner.decoder.graphs.update(self.graphs)
+        self.graphs = {}
 
     def gpu_ms_per_step(self) -> dict[int, float]:
         busy: dict[int, float] = {}
@@ -202,8 +209,8 @@ def run(smoke: bool, device: torch.device) -> dict:
     rows = prompts(w)
     warm_workload = replace(w, prefixes=1, questions=min(w.questions, 8))
     for caching in (True, False):  # compile every kernel variant before the clock starts
-        generate(_engine(model, warm_workload, prompts(warm_workload), caching, dtype, device), warm_workload,
-                  prompts(warm_workload), device)
+        with _engine(model, warm_workload, prompts(warm_workload), caching, dtype, device) as engine:
+            generate(engine, warm_workload, prompts(warm_workload), device)
     runs, timed_steps = [], {}
     for repeat in (1, 2):
         for caching in (True, False):
@@ -216,6 +223,7 @@ def run(smoke: bool, device: torch.device) -> dict:
                          "prefill_tokens_per_s": round(prefill / wall), "output_tokens_per_s": round(output / wall),
                          "steps": len(engine.counters.steps)})
             timed_steps[caching] = engine.counters.steps
+            engine.close()
             del engine
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -228,6 +236,7 @@ def run(smoke: bool, device: torch.device) -> dict:
         timer = GpuTimer(probed, device)
         generate(probed, w, rows, device)
         timer.restore()
+        probed.close()
         wait = _host_wait(timed_steps[caching], timer.gpu_ms_per_step(), len(probed.counters.steps))
         host_wait[f"caching_{'on' if caching else 'off'}"] = wait | {"passes_longer_than_spin": timer.uncovered}
         del probed, timer

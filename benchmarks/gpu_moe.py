@@ -2,8 +2,8 @@
 
 Two layer shapes: Mixtral-8x7B (8 experts of width 14336, top-2, hidden 4096) and Qwen3-30B-A3B (128 experts of
 width 768, top-8, hidden 2048), bf16, at decode and prefill token counts. Each row first checks the fused result
-against the loop, then times both; the fused one also under a CUDA-graph replay where the tokens are few
-(decode), which only works if its expert sort never syncs with the host.
+and the loop against a float32 loop (ERROR_RATIO), then times both; the fused one also under a CUDA-graph replay
+where the tokens are few (decode), which only works if its expert sort never syncs with the host.
 """
 
 from __future__ import annotations
@@ -33,7 +33,11 @@ FULL = (MoeShape("mixtral-8x7b", 4096, 14336, 8, 2, (1, 16, 256, 2048)),
         MoeShape("qwen3-30b-a3b", 2048, 768, 128, 8, (1, 16, 256, 2048)))
 SMOKE = (MoeShape("smoke", 64, 32, 4, 2, (1, 9)),)
 GRAPH_MAX_TOKENS = 256
-TOLERANCE = 2e-2  # bf16
+# The fused kernel and the loop both round to bf16, in different orders; each is measured against a float32 loop on
+# the same (bf16-valued) inputs, and the fused one may be off by at most twice the loop's own error plus one bf16
+# step of the output's largest value. A flat 2e-2 between the two failed at Mixtral's shape, 2,048 tokens (0.0234
+# on the first H200 run): three bf16 steps of outputs near 1, rounding, not a fault.
+ERROR_RATIO = 2.0
 
 
 def random_experts(s: MoeShape, dtype: torch.dtype, device: torch.device) -> ExpertWeights:
@@ -55,9 +59,14 @@ def run(smoke: bool, device: torch.device, bench: Callable[..., float]) -> list[
             weights, ids = route(torch.randn(tokens, s.experts, generator=gen, device=device), s.top_k, True)
             fused = partial(fused_experts, x, experts, weights, ids)
             loop = partial(torch_experts, x, loop_experts, weights, ids)
-            error = (fused().float() - loop().float()).abs().max().item()
-            if error > TOLERANCE:
-                raise AssertionError(f"fused MoE {s.name} at {tokens} tokens differs from torch by {error:.3g}")
+            exact = torch_experts(x.float(), ExpertWeights(experts.gate_up.float(), experts.down.float()), weights,
+                                  ids)
+            error, loop_error = ((f().float() - exact).abs().max().item() for f in (fused, loop))
+            bound = ERROR_RATIO * loop_error + exact.abs().max().item() * 2**-8
+            if error > bound:
+                raise AssertionError(f"fused MoE {s.name} at {tokens} tokens is {error:.3g} off a float32 loop, "
+                                     f"where the bf16 loop is {loop_error:.3g} off (bound {bound:.3g})")
+            del exact
             fused_ms, loop_ms = bench(fused, device), bench(loop, device)
             graph_ms = None
             if device.type == "cuda" and tokens <= GRAPH_MAX_TOKENS:
@@ -65,6 +74,7 @@ def run(smoke: bool, device: torch.device, bench: Callable[..., float]) -> list[
             flops = 2 * tokens * s.top_k * 3 * s.hidden * s.width
             rows.append({"shape": s.name, "tokens": tokens, "fused_ms": fused_ms, "fused_graph_ms": graph_ms,
                          "torch_loop_ms": loop_ms, "speed_vs_loop": loop_ms / fused_ms,
-                         "fused_tflops": flops / fused_ms / 1e9, "max_error": error})
+                         "fused_tflops": flops / fused_ms / 1e9, "max_error_vs_fp32": error,
+                         "loop_max_error_vs_fp32": loop_error})
         del experts, loop_experts
     return rows
