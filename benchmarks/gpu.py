@@ -395,12 +395,17 @@ def write_results(path: Path, results: dict) -> None:
         path.write_text(json.dumps(results, indent=2))
 
 
+SECTIONS = ("kernel_checks", "graph_checks", "invariance", "ceilings", "prefill", "decode", "moe", "end_to_end",
+            "goals")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/gpu_results.json"),
                         help="results file: .json, or .csv for the two tables")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU under TRITON_INTERPRET=1, to test this script")
+    parser.add_argument("--only", help=f"a comma-separated subset of the sections: {','.join(SECTIONS)}")
     args = parser.parse_args()
 
     if args.smoke:
@@ -420,8 +425,14 @@ def main() -> None:
         "errors": {}, "seconds": {}, "checks": [],
     }
 
+    chosen = set(args.only.split(",")) if args.only else set(SECTIONS)
+    if chosen - set(SECTIONS):
+        sys.exit(f"--only: unknown sections {sorted(chosen - set(SECTIONS))}; choose from {','.join(SECTIONS)}")
+
     def section(key: str, work: Callable[[], object]) -> object:
         """Run one part; a failure is recorded and printed, and the next part still runs."""
+        if key not in chosen:
+            return None
         began = time.time()
         try:
             value = work()
