@@ -47,3 +47,19 @@ def test_bfloat16_decode_groups_stay_close_to_float32():
     got = TorchOps().attention(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.25)
     assert got.dtype == torch.bfloat16
     assert torch.allclose(got.float(), reference, atol=3e-2, rtol=3e-2)
+
+
+def test_the_device_variant_of_the_fused_call_gives_the_cpu_kernels_output_and_log_sum_exp():
+    """On a GPU the torch backend (the reference there) cannot call torch's CPU-only fused kernel: 2 items x 3 KV heads
+    x 5 query rows over 40 keys, the last 8 masked off, give the same output and log-sum-exp both ways."""
+    from batchprefill.kernels.torch.decode_groups import _flash, attention_with_lse
+
+    gen = torch.Generator().manual_seed(3)
+    q, keys, values = (torch.randn(2, 3, rows, 16, generator=gen) for rows in (5, 40, 40))
+    mask = torch.zeros(2, 1, 1, 40)
+    mask[..., 32:] = float("-inf")
+    out, lse = attention_with_lse(q, keys, values, mask, 0.25)
+    want_out, want_lse = _flash(q, keys, values, 0.0, False, attn_mask=mask, scale=0.25)
+    assert lse.shape == want_lse.shape == (2, 3, 5)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)

@@ -130,9 +130,21 @@ def _keys(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torc
 def gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
              mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Query sets `[items, Hkv, rows, D]` over their blocks `[items, width]` gathered into a padded copy, then one
-    fused call under the padding mask `[items, 1, 1, width*block]`: (output, log-sum-exp `[items, Hkv, rows]`)."""
-    return _flash(q, _keys(k_cache, blocks, q.dtype), _keys(v_cache, blocks, q.dtype), 0.0, False, attn_mask=mask,
-                  scale=scale)
+    fused call under the padding mask `[items, 1, 1, width*block]`: (output, log-sum-exp `[items, Hkv, rows]`).
+    The fused call with a log-sum-exp is torch's CPU kernel; on a GPU (this backend as the reference there) the
+    same in plain float32 ops."""
+    keys, values = _keys(k_cache, blocks, q.dtype), _keys(v_cache, blocks, q.dtype)
+    if q.device.type == "cpu":
+        return _flash(q, keys, values, 0.0, False, attn_mask=mask, scale=scale)
+    return attention_with_lse(q, keys, values, mask, scale)
+
+
+def attention_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_flash`'s (output, natural log-sum-exp) in float32 matmuls and a softmax, on any device."""
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), values.float()).to(q.dtype), lse
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
