@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.torch.ops import TorchOps
+from batchprefill.kernels.triton import attention as triton_attention
 from batchprefill.kernels.triton import fresh_chunks
 from batchprefill.kernels.triton import ops as triton_ops
 from batchprefill.kernels.triton.fresh_chunks import fresh_layout
@@ -214,3 +215,22 @@ def test_the_fresh_layout_lists_exactly_the_rows_of_the_fresh_chunks(steps: list
     assert bounds.tolist() == [0, *np.cumsum(query_lens[fresh]).tolist()]
     got = np.arange(first_row, first_row + bounds[-1]) if rows is None else rows
     assert got.tolist() == want.tolist()
+
+
+def test_long_16_bit_chunks_on_hopper_take_the_table_row_of_their_kind(monkeypatch) -> None:
+    """What an H200 would launch (the interpreter always takes 64-row tiles): chunks of 512 after 600 cached tokens
+    take the after-cached row, a step of fresh chunks the from-scratch row; a 100-token chunk and fp32 the default."""
+    for module in (triton_ops, triton_attention):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_ops, "_hopper", lambda device: True)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")  # fp32 dots as TF32, no warning
+    monkeypatch.setattr(triton_ops, "HOPPER_PREFILL_TILES", {(32, True): (64, 128, 8, 4), (32, False): (128, 32, 4, 2)})
+    launches = []
+    monkeypatch.setattr(triton_ops, "prefill_attention", lambda *args: launches.append(args[9:13]))
+    for specs, dtype, want in (([(600, 512), (0, 700)], torch.bfloat16, (64, 128, 8, 4)),
+                               ([(0, 700), (0, 600)], torch.bfloat16, (128, 32, 4, 2)),
+                               ([(600, 100)], torch.bfloat16, (64, 64, 4, 3)),
+                               ([(600, 512)], torch.float32, (128, 64, 4, 3))):
+        query, k_cache, v_cache, meta = random_paged_batch(specs, HEADS, KV_HEADS, HEAD_DIM, BLOCK, dtype)
+        TritonOps().attention(query, k_cache, v_cache, meta, 0.2)  # no fresh rows: every chunk on the kernel
+        assert launches.pop() == want

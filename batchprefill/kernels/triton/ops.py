@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +44,7 @@ HOPPER_PREFILL_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
 class TritonPlan:
     """What every layer of one step launches: prefill tiles for the chunks, decode rows for single tokens."""
 
-    tile_map: torch.Tensor | None  # [tiles, 2] int32 (sequence, tile index in it), longest KV first
+    tile_map: torch.Tensor | None  # [tiles, 2] int32 (sequence, tile index in it), longest KV first (kept, then fresh)
     decode_rows: torch.Tensor | None  # [decodes] int32 sequence indices; None when every row is a decode
     num_decodes: int
     block_m: int
@@ -236,9 +237,7 @@ class TritonOps:
         long_chunks = len(chunk_lens) > 0 and chunk_lens.min() >= 128 and chunk_lens.max() >= 512
         if interpreting():
             return 64, None
-        device = k_cache.device
-        if (long_chunks and not self.block_n and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-                and torch.cuda.get_device_capability(device)[0] == 9):
+        if long_chunks and not self.block_n and dtype in (torch.float16, torch.bfloat16) and _hopper(k_cache.device):
             after_cached = bool((seq_lens > chunk_lens).any())
             tiles = HOPPER_PREFILL_TILES.get((triton.next_power_of_2(k_cache.shape[3]), after_cached))
             if tiles is not None:
@@ -264,6 +263,12 @@ def prefill_warps_and_stages(block_m: int, head_dim: int) -> tuple[int, int]:
     128-wide tiles: four warps would hold a 128 x 128 fp32 accumulator and spill)."""
     block_d = triton.next_power_of_2(head_dim)
     return (8 if block_m * block_d >= 128 * 128 else 4), (3 if block_d <= 128 else 2)
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    """A Hopper GPU (sm90, the H200 the tile table was measured on)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _tile_map(query_lens: np.ndarray, seq_lens: np.ndarray, seqs: np.ndarray, block_m: int) -> np.ndarray:
