@@ -113,6 +113,12 @@ class Timer:
         return float(np.median([start.elapsed_time(end) for start, end in events]))
 
 
+def flash_path(device: torch.device) -> str:
+    """How the routed path runs here: one call of torch's `varlen_attn` or of the ATen flash op, or SDPA per chunk."""
+    varlen = varlen_attention(device.type)
+    return varlen.__name__ if varlen is not None else "sdpa per chunk"
+
+
 def tile_map(query_lens: list[int], seq_lens: list[int], block_m: int, device: torch.device) -> torch.Tensor:
     """[tiles, 2] (sequence, tile index), the tiles that see the most KV first, as TritonOps plans them."""
     tiles = [(s, i) for s, n in enumerate(query_lens) for i in range(triton.cdiv(n, block_m))]
@@ -194,7 +200,7 @@ def bench_case(name: str, shape: tuple[int, int, int], case: Case, plan: Plan, c
         ops = TritonOps()
         planned = ops.plan(meta, k_cache, heads, torch.bfloat16)
         routed = timer(partial(ops.attention, query, k_cache, v_cache, planned, scale, None, key, value))
-        mode = "varlen" if varlen_attention(device.type) else "sdpa per chunk"
+        mode = flash_path(device)
         got = ops.attention(query, k_cache, v_cache, planned, scale, None, key, value).float()
         kernel = ops.attention(query, k_cache, v_cache, planned, scale).float()  # every chunk through the kernel
         rows.append({**base, "config": f"routed ({mode})", "ms": routed, "tflops": tflop / routed, "sdpa_ms": sdpa,
@@ -262,7 +268,7 @@ def main() -> None:
         sys.exit("no GPU: run with --smoke to test the script on the CPU")
     start = time.time()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
-    mode = "one varlen_attn call" if varlen_attention(device.type) else "causal SDPA per chunk"
+    mode = flash_path(device)
     print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}; from-scratch chunks: {mode}")
     results: dict = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "routed": mode,
                      "rows": [], "errors": {}}

@@ -5,9 +5,9 @@ step's fresh key and value rows, already contiguous in the flat batch, so flash 
 from the pool. Why: on the H200 the Triton prefill kernel ran such chunks at 0.45-0.53x of flash SDPA (1k-8k
 tokens, issue 38), while the flash kernel is the baseline itself.
 
-One `varlen_attn` call serves every such chunk of the step (cumulative lengths, GQA in the kernel) where torch's
-varlen API takes `enable_gqa` (2.12 and later); elsewhere, and on the CPU (the interpreter's tests), one causal
-`scaled_dot_product_attention` per chunk, which on a GPU dispatches to flash as well.
+On a GPU one flash call serves every such chunk of the step (cumulative lengths, GQA heads read in the kernel):
+torch's `varlen_attn`, or on torch 2.10 and 2.11 the ATen flash op it wraps (`varlen_attention`). Off the GPU (the
+interpreter's tests), one causal `scaled_dot_product_attention` per chunk.
 """
 
 from __future__ import annotations
@@ -85,13 +85,25 @@ def attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ou
 
 @functools.cache
 def varlen_attention(device_type: str) -> Callable | None:
-    """torch's `varlen_attn` on a GPU where it takes a scale, a causal window and GQA as keywords (torch 2.12 and
-    later; 2.10 and 2.11 have no `enable_gqa`, 2.9 no scale); None elsewhere."""
+    """One flash call for all chunks on a GPU: torch's `varlen_attn` where it takes a scale, a causal window and GQA
+    as keywords (torch 2.12 and later), else the ATen flash op it wraps, which reads GQA heads natively (2.10's
+    `varlen_attn` has no `enable_gqa`, and some builds send it to cuDNN); None off the GPU or where neither
+    exists. benchmarks/gpu_prefill_tiles.py prints which one a device runs."""
     if device_type != "cuda":
         return None
     try:
         from torch.nn.attention.varlen import varlen_attn
+
+        if {"scale", "window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters):
+            return varlen_attn
     except ImportError:
-        return None
-    accepted = inspect.signature(varlen_attn).parameters
-    return varlen_attn if {"scale", "window_size", "enable_gqa"} <= set(accepted) else None
+        pass
+    return _aten_flash_varlen if hasattr(torch.ops.aten, "_flash_attention_forward") else None
+
+
+def _aten_flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
+                       cu_seq_k: torch.Tensor, max_q: int, max_k: int, *, scale: float, window_size: tuple[int, int],
+                       enable_gqa: bool) -> torch.Tensor:
+    """`varlen_attn`'s causal call on ATen's flash forward (the keywords it ignores are what this module passes)."""
+    return torch.ops.aten._flash_attention_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, 0.0, True,
+                                                   False, scale=scale)[0]
