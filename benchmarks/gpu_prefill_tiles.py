@@ -206,6 +206,14 @@ def bench_case(name: str, shape: tuple[int, int, int], case: Case, plan: Plan, c
         rows.append({**base, "config": f"routed ({mode})", "ms": routed, "tflops": tflop / routed, "sdpa_ms": sdpa,
                      "speed_vs_sdpa": sdpa / routed, "max_err_vs_kernel": (got - kernel).abs().max().item(),
                      "close_to_kernel": torch.allclose(got, kernel, atol=ROUTED_TOLERANCE, rtol=ROUTED_TOLERANCE)})
+    varlen = varlen_attention(device.type)
+    if case.after_cached and case.count == 1 and varlen is not None:  # a candidate for a later routing, not run today
+        try:
+            gathered = gathered_flash(varlen, query, k_cache, v_cache, meta, case, scale, timer)
+            rows.append({**base, **gathered, "tflops": tflop / gathered["ms"], "sdpa_ms": sdpa,
+                         "speed_vs_sdpa": sdpa / gathered["ms"]})
+        except Exception as error:  # noqa: BLE001 - recorded, the candidates still run
+            rows.append({**base, "config": "gathered context", "failed": f"{type(error).__name__}: {error}"[:300]})
     tiles_by_m = {m: tile_map([case.chunk] * case.count, [case.seq_len] * case.count, m, device)
                   for m in {c[0] for c in plan.configs}}
     for config in plan.configs:
@@ -224,6 +232,24 @@ def bench_case(name: str, shape: tuple[int, int, int], case: Case, plan: Plan, c
             continue
         rows.append({**row, "ms": ms, "tflops": tflop / ms, "sdpa_ms": sdpa, "speed_vs_sdpa": sdpa / ms})
     return rows
+
+
+def gathered_flash(varlen: Callable, query, k_cache, v_cache, meta, case: Case, scale: float, timer: Timer) -> dict:
+    """A chunk after a cached context on flash attention, its whole context first gathered out of the pool (a copy
+    of 2 x seq_len x Hkv x D values), against the prefill kernel's output: is the copy worth it?"""
+    blocks = meta.block_tables[0, : triton.cdiv(case.seq_len, BLOCK_SIZE)]
+    cu_q = torch.tensor([0, case.chunk], dtype=torch.int32, device=query.device)
+    cu_k = torch.tensor([0, case.seq_len], dtype=torch.int32, device=query.device)
+
+    def attend() -> torch.Tensor:
+        key, value = (cache.index_select(0, blocks).flatten(0, 1)[: case.seq_len] for cache in (k_cache, v_cache))
+        return varlen(query, key, value, cu_q, cu_k, case.chunk, case.seq_len, scale=scale, window_size=(-1, 0),
+                      enable_gqa=True)
+
+    got, kernel = attend().float(), TritonOps().attention(query, k_cache, v_cache, meta, scale).float()
+    return {"config": f"gathered context + {varlen.__name__}", "ms": timer(attend),
+            "max_err_vs_kernel": (got - kernel).abs().max().item(),
+            "close_to_kernel": torch.allclose(got, kernel, atol=ROUTED_TOLERANCE, rtol=ROUTED_TOLERANCE)}
 
 
 def best_tiles(rows: list[dict], plan: Plan) -> dict[tuple[int, bool], dict]:
