@@ -1,13 +1,13 @@
 """Chunks with nothing cached before them, through the flash attention torch ships instead of the prefill kernel.
 
-A chunk whose `seq_len` equals its `query_len` attends only to keys computed in this very step: its K and V are the
-step's fresh key and value rows, already contiguous in the flat batch, so flash attention takes them with no gather
-from the pool. Why: on the H200 the Triton prefill kernel ran such chunks at 0.45-0.53x of flash SDPA (1k-8k
-tokens, issue 38), while the flash kernel is the baseline itself.
+A chunk whose `seq_len` equals its `query_len` attends only to keys computed in this very step: its K and V are
+rows of the step's fresh keys and values, so flash attention takes them with no gather from the pool's blocks.
+Why: on the H200 the Triton prefill kernel ran such chunks at 0.45-0.53x of flash SDPA (1k-8k tokens, issue 38),
+while the flash kernel is the baseline itself.
 
 On a GPU one flash call serves every such chunk of the step (cumulative lengths, GQA heads read in the kernel):
-torch's `varlen_attn`, or on torch 2.10 and 2.11 the ATen flash op it wraps (`varlen_attention`). Off the GPU (the
-interpreter's tests), one causal `scaled_dot_product_attention` per chunk.
+torch's `varlen_attn`, or where it takes no `enable_gqa` (2.10) the ATen flash op it wraps (`varlen_attention`).
+Off the GPU (the interpreter's tests), one causal `scaled_dot_product_attention` per chunk.
 """
 
 from __future__ import annotations
@@ -50,14 +50,21 @@ def fresh_layout(query_lens: np.ndarray, fresh: np.ndarray) -> tuple[np.ndarray,
 
 def can_route(k_cache: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether fresh rows may replace the pool: they must equal what the pool holds (a cache of another dtype, or a
-    quantized one, keeps the prefill kernel, which reads it), and on a GPU the flash kernel must take the dtype and
-    head size (fp32 stays on the Triton kernel's TF32 dots)."""
+    quantized one, keeps the prefill kernel, which reads it), and on a GPU the flash kernel must take the device, the
+    dtype and the head size (fp32 stays on the Triton kernel's TF32 dots)."""
     if k_cache.dtype != dtype:
         return False
     if k_cache.device.type != "cuda":
         return True
     head_dim = k_cache.shape[3]
-    return dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= FLASH_MAX_HEAD_DIM
+    return dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= FLASH_MAX_HEAD_DIM and _ampere_or_later(
+        k_cache.device)
+
+
+@functools.cache
+def _ampere_or_later(device: torch.device) -> bool:
+    """torch's flash kernels need sm80 or later."""
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
