@@ -26,6 +26,17 @@ def test_gpu_benchmark_smoke_mode_runs_every_section(tmp_path):
         assert on["output_tokens"] == off["output_tokens"] == on["requests"] * 2
 
 
+def test_the_prefill_tiles_benchmark_smoke_mode_prints_a_table_row_per_kind(tmp_path):
+    out = tmp_path / "tiles.json"
+    done = run_cli(["python", str(REPO / "benchmarks" / "gpu_prefill_tiles.py"), "--smoke", "--out", str(out)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert results["errors"] == {} and set(results["best"]) == {"32 from scratch", "32 after cached"}
+    routed = [row for row in results["rows"] if row["config"] == "routed (sdpa per chunk)"]
+    assert [(row["seq_len"], row["close_to_kernel"]) for row in routed] == [(32, True)]
+    assert "HOPPER_PREFILL_TILES" in done.stdout and "    (32, True): (" in done.stdout
+
+
 def test_the_slurm_wrapper_finds_the_repo_from_another_folder(tmp_path):
     done = run_cli(["bash", str(REPO / "jobs" / "gpu_benchmark.sh"), "--help"], cwd=tmp_path, env=NO_SLURM)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,7 @@ from batchprefill.kernels.triton.attention import (
     interpreting,
     prefill_attention,
 )
+from batchprefill.kernels.triton.fresh_chunks import FreshChunks, attend_fresh, can_route, fresh_layout
 from batchprefill.kernels.triton.lora import segmented_lora
 from batchprefill.kernels.triton.moe import fused_experts
 
@@ -26,17 +28,32 @@ ALIGN = 4  # int32 entries: the decode rows start 16 bytes aligned inside the st
 # Query rows per prefill tile in a batch-invariant step, whatever the chunks: the tile the default picks for all
 # but long chunks (a decode then fills one row of it; see `TritonOps`).
 INVARIANT_BLOCK_M = 64
+# The prefill launch of long chunks on Hopper (sm90), by (head_dim padded to a power of 2, the chunks come after a
+# cached context): (block_m, block_n, num_warps, num_stages). Until benchmarks/gpu_prefill_tiles.py has run on the
+# H200 these are the choices made before it (128-row tiles, 64-token KV tiles, warps and stages from
+# `prefill_warps_and_stages`); paste its printed table here.
+HOPPER_PREFILL_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
+    (64, False): (128, 64, 4, 3),
+    (64, True): (128, 64, 4, 3),
+    (128, False): (128, 64, 8, 3),
+    (128, True): (128, 64, 8, 3),
+}
 
 
 @dataclass
 class TritonPlan:
     """What every layer of one step launches: prefill tiles for the chunks, decode rows for single tokens."""
 
-    tile_map: torch.Tensor | None  # [tiles, 2] int32 (sequence, tile index in it), longest KV first
+    tile_map: torch.Tensor | None  # [tiles, 2] int32 (sequence, tile index in it), longest KV first (kept, then fresh)
     decode_rows: torch.Tensor | None  # [decodes] int32 sequence indices; None when every row is a decode
     num_decodes: int
     block_m: int
     num_segments: int  # decode grid depth
+    # The chunks with nothing cached before them, for torch's flash attention (`fresh_chunks.py`); their tiles
+    # come last in `tile_map`, after the first `kept_tiles`, for a layer that cannot route them (a short window)
+    fresh: FreshChunks | None = None
+    kept_tiles: int = 0
+    prefill_launch: tuple[int, int, int] | None = None  # (block_n, num_warps, num_stages) from the Hopper table
 
 
 class TritonOps:
@@ -46,13 +63,15 @@ class TritonOps:
     waits on the device. Tile sizes may be fixed for tests; by default they follow the batch shape. In a
     mixed step, chunks run through the prefill kernel and single-token rows through the decode kernel
     (in a 64-row prefill tile a decode would use 1/64 of the tile and read each KV head once per query head).
+    Chunks with nothing cached before them go to torch's flash attention on the step's fresh keys and values
+    (`fresh_chunks.py`), so a step of such chunks alone launches no prefill kernel.
 
     With `batch_invariant`, a row's bits must not depend on what shares its step, so nothing is chosen from the
     step: prefill tiles are always `INVARIANT_BLOCK_M` rows, every KV tile is masked (`MASK_ALL`), and decodes go
     through the prefill kernel as 1-row tiles, never split into segments. A position then comes out the same as
     a decode, in any chunk, or after a preemption recomputes it as a prefill. It costs decodes the GQA sharing
     (each query head reads its KV head on its own) and 63 idle rows per tile; the MoE and LoRA kernels keep
-    fixed tiles too.
+    fixed tiles too; no chunk goes to flash attention, whose tiling follows its shapes.
     """
 
     graph_safe_decode = True  # decode grids depend only on the batch size and the planned longest context
@@ -97,7 +116,10 @@ class TritonOps:
         segmented_lora(out, x, weights, step, self.batch_invariant)
 
     def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int | None = None,
+                  key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+        """With the step's fresh `key` and `value`, chunks with nothing cached before them go through torch's flash
+        attention (`fresh_chunks.py`) unless the window would hide some of their keys; the rest as planned."""
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.num_seqs == 0 or query.shape[0] == 0:
             return out
@@ -105,11 +127,16 @@ class TritonOps:
             meta = self.plan(meta, k_cache, query.shape[1], query.dtype)
         plan = meta.plan
         block_n = self._block_n(query.dtype)
-        if plan.tile_map is not None:
-            num_warps, num_stages = prefill_warps_and_stages(plan.block_m, query.shape[2])
+        tile_map, fresh = plan.tile_map, plan.fresh
+        if fresh is not None and key is not None and (window is None or window >= fresh.longest):
+            attend_fresh(query, key, value, out, fresh, scale)
+            tile_map = tile_map[: plan.kept_tiles] if plan.kept_tiles else None
+        if tile_map is not None:
+            prefill_n, num_warps, num_stages = plan.prefill_launch or (
+                block_n, *prefill_warps_and_stages(plan.block_m, query.shape[2]))
             prefill_attention(
-                query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables, plan.tile_map,
-                scale, plan.block_m, block_n, num_warps, num_stages, window, self.batch_invariant,
+                query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables, tile_map,
+                scale, plan.block_m, prefill_n, num_warps, num_stages, window, self.batch_invariant,
             )
         if plan.num_decodes:
             decode_attention(
@@ -131,16 +158,31 @@ class TritonOps:
             return meta.with_plan(self._invariant_plan(query_lens, seq_lens, device))
         chunks = np.flatnonzero(query_lens > 1)
         decodes = np.flatnonzero(query_lens == 1)
-        block_m = self._choose_block_m(query_lens[chunks])
+        routed = can_route(k_cache, dtype)
+        fresh = chunks[seq_lens[chunks] == query_lens[chunks]] if routed else chunks[:0]
+        kept = chunks[seq_lens[chunks] > query_lens[chunks]] if routed else chunks
+        tiled = kept if len(kept) else chunks  # the chunks the prefill kernel runs in most layers
+        block_m, launch = self._choose_tiles(query_lens[tiled], seq_lens[tiled], k_cache, dtype)
         num_segments = self._decode_segments(seq_lens[decodes], num_kv_heads, device) if len(decodes) else 1
-        tile_map = decode_rows = None
+        tile_map = decode_rows = fresh_chunks = None
+        kept_tiles = 0
         if len(chunks):
-            tiles = _tile_map(query_lens[chunks], seq_lens[chunks], chunks, block_m)
-            offset = triton.cdiv(tiles.size, ALIGN) * ALIGN
-            staged = self._stage([tiles.ravel(), decodes], [0, offset], offset + len(decodes), device)
+            tiles = _tile_map(query_lens[kept], seq_lens[kept], kept, block_m)
+            kept_tiles = len(tiles)
+            tiles = np.concatenate([tiles, _tile_map(query_lens[fresh], seq_lens[fresh], fresh, block_m)])
+            bounds, rows, first_row = fresh_layout(query_lens, fresh) if len(fresh) else ([], None, 0)
+            parts = [tiles.ravel(), decodes, bounds, [] if rows is None else rows]
+            offsets = np.cumsum([0] + [triton.cdiv(len(part), ALIGN) * ALIGN for part in parts])
+            staged = self._stage(parts, offsets[:-1].tolist(), int(offsets[-1]), device)
             tile_map = staged[: tiles.size].view(-1, 2)
-            decode_rows = staged[offset : offset + len(decodes)] if len(decodes) else None
-        return meta.with_plan(TritonPlan(tile_map, decode_rows, len(decodes), block_m, num_segments))
+            decode_rows = staged[offsets[1] : offsets[1] + len(decodes)] if len(decodes) else None
+            if len(fresh):
+                fresh_chunks = FreshChunks(
+                    bounds.tolist(), staged[offsets[2] : offsets[2] + len(bounds)],
+                    None if rows is None else staged[offsets[3] : offsets[3] + len(rows)], first_row,
+                    int(query_lens[fresh].max()))
+        return meta.with_plan(TritonPlan(tile_map, decode_rows, len(decodes), block_m, num_segments, fresh_chunks,
+                                         kept_tiles, launch))
 
     def _invariant_plan(self, query_lens: np.ndarray, seq_lens: np.ndarray, device: torch.device) -> TritonPlan:
         """Every sequence tiled for the prefill kernel, decodes included. A decode-only step's tiles, one per
@@ -183,13 +225,24 @@ class TritonOps:
             self._copied.record()
         return self._device[:size]
 
-    def _choose_block_m(self, chunk_lens: np.ndarray) -> int:
-        """128-row tiles only when every chunk is long (at least 128 queries, the longest 512 or more), as a
+    def _choose_tiles(self, chunk_lens: np.ndarray, seq_lens: np.ndarray, k_cache: torch.Tensor, dtype: torch.dtype
+                      ) -> tuple[int, tuple[int, int, int] | None]:
+        """(block_m, the Hopper table's (block_n, num_warps, num_stages) or None for the default choice).
+
+        Long 16-bit chunks on Hopper take the measured table (`HOPPER_PREFILL_TILES`) unless a test fixed a tile.
+        Otherwise 128-row tiles only when every chunk is long (at least 128 queries, the longest 512 or more), as a
         short chunk would waste most of the tile. The interpreter takes 64 unless a test sets `block_m`."""
         if self.block_m:
-            return self.block_m
+            return self.block_m, None
         long_chunks = len(chunk_lens) > 0 and chunk_lens.min() >= 128 and chunk_lens.max() >= 512
-        return 128 if long_chunks and not interpreting() else 64
+        if interpreting():
+            return 64, None
+        if long_chunks and not self.block_n and dtype in (torch.float16, torch.bfloat16) and _hopper(k_cache.device):
+            after_cached = bool((seq_lens > chunk_lens).any())
+            tiles = HOPPER_PREFILL_TILES.get((triton.next_power_of_2(k_cache.shape[3]), after_cached))
+            if tiles is not None:
+                return tiles[0], tiles[1:]
+        return (128 if long_chunks else 64), None
 
     def decode_segments(self, meta: AttentionMetadata, num_kv_heads: int) -> int:
         """Grid depth of a decode-only launch of `meta` (the benchmark reports it)."""
@@ -210,6 +263,12 @@ def prefill_warps_and_stages(block_m: int, head_dim: int) -> tuple[int, int]:
     128-wide tiles: four warps would hold a 128 x 128 fp32 accumulator and spill)."""
     block_d = triton.next_power_of_2(head_dim)
     return (8 if block_m * block_d >= 128 * 128 else 4), (3 if block_d <= 128 else 2)
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    """A Hopper GPU (sm90, the H200 the tile table was measured on)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _tile_map(query_lens: np.ndarray, seq_lens: np.ndarray, seqs: np.ndarray, block_m: int) -> np.ndarray:
