@@ -74,20 +74,19 @@ def group_decodes(seq_lens: np.ndarray, tables: np.ndarray, table_rows: np.ndarr
     if len(grouped) < 2:
         return None
     prefixes = np.where(np.arange(width) < depths[grouped, None], held[grouped], -1)
-    _, labels, counts = np.unique(prefixes, axis=0, return_inverse=True, return_counts=True)
-    labels = labels.reshape(-1)
-    order = np.argsort(labels, kind="stable")
+    labels = np.unique(prefixes, axis=0, return_inverse=True)[1].reshape(-1)
+    order = np.lexsort((labels, -depths[grouped]))  # the longest prefixes first: their programs start first
     members, labels = grouped[order], labels[order]
-    bounds = np.concatenate([[0], np.cumsum(counts)])
+    starts = np.flatnonzero(np.concatenate([[True], labels[1:] != labels[:-1]]))
+    counts = np.diff(np.concatenate([starts, [len(labels)]]))
     rows, kept = [], []
-    for label in np.flatnonzero(counts > 1).tolist():
-        start, count = int(bounds[label]), int(counts[label])
+    for start, count in zip(starts[counts > 1].tolist(), counts[counts > 1].tolist(), strict=True):
         shared = int(depths[members[start]]) * block
         parts = -(-count // max_members)
         sizes = np.full(parts, count // parts) + (np.arange(parts) < count % parts)
         first = sum(len(k) for k in kept)
-        for offset, size in zip(np.cumsum(sizes) - sizes, sizes, strict=True):
-            rows.append((first + int(offset), int(size), shared, int(table_rows[members[start + offset]])))
+        for offset, size in zip((np.cumsum(sizes) - sizes).tolist(), sizes.tolist(), strict=True):
+            rows.append((first + offset, size, shared, int(table_rows[members[start + offset]])))
         kept.append(members[start : start + count])
     if not rows:
         return None
