@@ -15,7 +15,9 @@ def test_gpu_benchmark_smoke_mode_runs_every_section(tmp_path):
     done = run_cli(["python", str(REPO / "benchmarks" / "gpu.py"), "--smoke", "--out", str(out)])
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
-    assert {"prefill", "decode", "goals", "end_to_end", "ceilings", "checks", "moe"} <= set(results)
+    assert {"prefill", "decode", "shared_decode", "goals", "end_to_end", "ceilings", "checks", "moe"} <= set(results)
+    shared = results["shared_decode"]
+    assert [(row["groups"], row["members"], row["max_err"] < 2e-2) for row in shared] == [(2, 3, True)]
     assert [(row["tokens"], row["max_error"] < 2e-2) for row in results["moe"]] == [(1, True), (9, True)]
     assert results["errors"] == {} and results["check_failures"] == []
     assert "padded decode vs unpadded forward" in {c["check"] for c in results["checks"]}
