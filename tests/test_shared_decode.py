@@ -117,6 +117,13 @@ def test_a_group_of_9_with_4_member_sub_groups_is_cut_into_3_3_and_3() -> None:
     assert group_decodes(np.array([20, 20]), np.array([[1, 2, 3], [4, 5, 6]]), np.arange(2), 8, 4) is None
 
 
+def test_tables_the_prefix_cache_would_not_build_still_group_by_whole_prefixes() -> None:
+    """Rows 0, 2 hold blocks (1, 2), rows 1, 3 blocks (3, 2): the same depth and last shared block, two groups."""
+    tables = np.array([[1, 2, 9], [3, 2, 8], [1, 2, 7], [3, 2, 6]], dtype=np.int32)
+    found = group_decodes(np.full(4, 20), tables, np.arange(4), 8, max_members=4)
+    assert sorted(found.members[g : g + n].tolist() for g, n, _, _ in found.groups.tolist()) == [[0, 2], [1, 3]]
+
+
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(layout=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(0, 12)), min_size=1, max_size=3))
 def test_any_layout_of_groups_matches_torch(layout: list[tuple[int, int, int]]) -> None:

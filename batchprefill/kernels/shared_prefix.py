@@ -20,10 +20,11 @@ def shared_depths(held: np.ndarray) -> np.ndarray:
     """[n] how many leading blocks of each row of `held` ([n, width] block ids, -1 past a row's shareable
     blocks) are held by another row too. Counted with numpy: at 256 decodes of 100 blocks, a dict count per
     block took milliseconds per step."""
-    valid = held >= 0
-    holders = np.bincount(held[valid], minlength=1)
-    shared = valid & (holders[np.where(valid, held, 0)] > 1)
-    return np.cumprod(shared, axis=1).sum(axis=1)
+    shifted = held + 1  # -1 counts in bin 0, which no real block reads
+    holders = np.bincount(shifted.ravel())
+    holders[0] = 0
+    shared = holders[shifted] > 1
+    return np.where(shared.all(axis=1), shared.shape[1], shared.argmin(axis=1))  # the first block not shared
 
 
 def by_deepest_prefix(meta: AttentionMetadata, seqs: list[int], tables: list[list[int]], block: int
@@ -60,37 +61,52 @@ def group_decodes(seq_lens: np.ndarray, tables: np.ndarray, table_rows: np.ndarr
     deepest run of full blocks before their query that they share; None when no two share a block.
 
     A group of more than `max_members` is cut into near-equal sub-groups (each of at least 2 members when
-    `max_members` >= 4, so there are at most rows // 2 of them); a group's shared KV is addressed through its first
-    member's table, whose index in the step is `table_rows[i]`. Sequences sharing blocks at the same depth share
-    them all (a shared block follows the same blocks in every table that holds it, as the prefix cache keys a
-    block by its whole prefix), but rows are compared whole, so tables that break that still group correctly."""
+    `max_members` >= 4, so there are at most rows // 2 of them), the longest prefixes first; a group's shared KV is
+    addressed through its first member's table, whose index in the step is `table_rows[i]`. All numpy, no loop
+    over rows or groups: the padded decode plans every step with it (0.2 ms at 511 decodes in 16 groups)."""
     limits = (np.asarray(seq_lens, dtype=np.int64) - 1) // block
     width = int(limits.max(initial=0))
     if width == 0:
         return None
-    held = np.where(np.arange(width) < limits[:, None], tables[:, :width], -1).astype(np.int64)
+    held = np.where(np.arange(width) < limits[:, None], tables[:, :width], -1)
     depths = shared_depths(held)
     grouped = np.flatnonzero(depths > 0)
     if len(grouped) < 2:
         return None
-    prefixes = np.where(np.arange(width) < depths[grouped, None], held[grouped], -1)
-    labels = np.unique(prefixes, axis=0, return_inverse=True)[1].reshape(-1)
+    labels = _prefix_labels(held[grouped], depths[grouped])
     order = np.lexsort((labels, -depths[grouped]))  # the longest prefixes first: their programs start first
     members, labels = grouped[order], labels[order]
     starts = np.flatnonzero(np.concatenate([[True], labels[1:] != labels[:-1]]))
     counts = np.diff(np.concatenate([starts, [len(labels)]]))
-    rows, kept = [], []
-    for start, count in zip(starts[counts > 1].tolist(), counts[counts > 1].tolist(), strict=True):
-        shared = int(depths[members[start]]) * block
-        parts = -(-count // max_members)
-        sizes = np.full(parts, count // parts) + (np.arange(parts) < count % parts)
-        first = sum(len(k) for k in kept)
-        for offset, size in zip((np.cumsum(sizes) - sizes).tolist(), sizes.tolist(), strict=True):
-            rows.append((first + offset, size, shared, int(table_rows[members[start + offset]])))
-        kept.append(members[start : start + count])
-    if not rows:
+    kept = counts > 1
+    if not kept.any():
         return None
-    ordered = np.concatenate(kept).astype(np.int32)
+    members = members[np.repeat(kept, counts)].astype(np.int32)
+    counts = counts[kept]
+    firsts = np.cumsum(counts) - counts
+    # sub-groups: part k of a group of n in p parts has n // p members, one more for the first n % p parts
+    parts = -(-counts // max_members)
+    group = np.repeat(np.arange(len(counts)), parts)
+    part = np.arange(len(group)) - np.repeat(np.cumsum(parts) - parts, parts)
+    base, extra = counts[group] // parts[group], counts[group] % parts[group]
+    sizes = base + (part < extra)
+    offsets = firsts[group] + part * base + np.minimum(part, extra)
+    shared = depths[members[firsts]] * block
+    groups = np.stack([offsets, sizes, shared[group], np.asarray(table_rows)[members[offsets]]], axis=1)
     shared_lens = np.zeros(len(seq_lens), dtype=np.int32)
-    shared_lens[ordered] = np.repeat([r[2] for r in rows], [r[1] for r in rows])
-    return DecodeGroups(np.asarray(rows, dtype=np.int32).reshape(-1, 4), ordered, shared_lens)
+    shared_lens[members] = np.repeat(shared, counts)
+    return DecodeGroups(groups.astype(np.int32), members, shared_lens)
+
+
+def _prefix_labels(held: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    """A label per row, equal for rows whose first `depth` blocks are the same. Keyed by (depth, last shared
+    block), which decides it where the prefix cache built the tables (a block follows the same blocks in every
+    table that holds it); checked against the rows, and rows compared whole (a slower sort) where it does not."""
+    last = held[np.arange(len(held)), depths - 1]
+    labels = np.unique(last.astype(np.int64) * (held.shape[1] + 1) + depths, return_inverse=True)[1].reshape(-1)
+    prefixes = np.where(np.arange(held.shape[1]) < depths[:, None], held, -1)
+    first = np.zeros(labels.max() + 1, dtype=np.int64)
+    first[labels[::-1]] = np.arange(len(labels))[::-1]
+    if (prefixes == prefixes[first[labels]]).all():
+        return labels
+    return np.unique(prefixes, axis=0, return_inverse=True)[1].reshape(-1)

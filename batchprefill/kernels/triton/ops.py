@@ -184,9 +184,13 @@ class TritonOps:
             if host_groups is not None:
                 decode_groups = DecodeGroups(staged["groups"].view(-1, 4), staged["members"], staged["shared_lens"])
         prefix_segments = 1
-        if decode_groups is not None:
-            longest = int(host_groups.groups[:, 2].max()) if host_groups is not None else int(seq_lens.max())
-            prefix_segments = self._prefix_segments(longest, decode_groups.groups.shape[0], num_kv_heads, device)
+        if host_groups is not None:
+            prefix_segments = self._prefix_segments(int(host_groups.groups[:, 2].max()), len(host_groups.groups),
+                                                    num_kv_heads, device)
+        elif decode_groups is not None:  # fixed slots, mostly empty: as many groups as full sub-groups make
+            members, _ = group_shape(num_q_heads // num_kv_heads, self.shared_rows)
+            expected = min(decode_groups.groups.shape[0], triton.cdiv(len(decodes), members))
+            prefix_segments = self._prefix_segments(int(seq_lens.max()), expected, num_kv_heads, device)
         return meta.with_plan(TritonPlan(tile_map, decode_rows, len(decodes), block_m, num_segments, decode_groups,
                                          prefix_segments))
 
