@@ -157,6 +157,7 @@ def test_padded_decode_of_5_grouped_rows_in_a_batch_of_8_matches_the_unpadded_fo
         size = next(s for s in decoder.sizes if s >= len(ids))  # 8, then 2 over the first step's staged words
         staged = decoder._groups(size)
         assert staged.groups.shape[0] == group_layout(size)[0] == size // 2
+        assert all(part.data_ptr() % 16 == 0 for part in (staged.groups, staged.members, staged.shared_lens))
         expected_groups = [[0, 3, 16, 0], [3, 2, 8, 1]] if step == 0 else []
         assert staged.groups[: len(expected_groups)].tolist() == expected_groups
         assert (staged.groups[len(expected_groups) :] == 0).all()

@@ -28,12 +28,13 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384,
 HEAD_ROWS = 4  # the staged head: token ids, positions, slots, sequence lengths, one row of `size` each
 
 
-def group_layout(size: int) -> tuple[int, int]:
-    """(group slots, int32 words) of a padded batch's decode groups, staged after the head: each row's shared
-    length, the member rows, then (first member, count, shared tokens, table row) per group slot. Every group has
-    2 members or more (`Ops.group_decodes`), so size // 2 slots hold any step's."""
-    slots = max(1, size // 2)
-    return slots, 2 * size + 4 * slots
+def group_layout(size: int) -> tuple[int, int, int]:
+    """(group slots, words per row part, int32 words) of a padded batch's decode groups, staged after the head:
+    each row's shared length, the member rows, then (first member, count, shared tokens, table row) per group
+    slot, each part 16 bytes aligned (a kernel specializes on its pointers' alignment: no size compiles another
+    variant). Every group has 2 members or more (`Ops.group_decodes`), so size // 2 slots hold any step's."""
+    slots, row_part = max(1, size // 2), -(-size // 4) * 4
+    return slots, row_part, 2 * row_part + 4 * slots
 
 
 class PaddedDecode:
@@ -55,7 +56,7 @@ class PaddedDecode:
         self.block_tables = torch.zeros(largest, self.width, **int32)
         self.query_start = torch.arange(largest + 1, **int32)
         self.rows = torch.arange(largest, dtype=torch.int64, device=device)
-        capacity = HEAD_ROWS * largest + group_layout(largest)[1] + largest * self.width
+        capacity = HEAD_ROWS * largest + group_layout(largest)[2] + largest * self.width
         self._pinned = device.type == "cuda"
         self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=self._pinned)
         self._staged = torch.empty(capacity, **int32)
@@ -76,9 +77,9 @@ class PaddedDecode:
 
     def _groups(self, size: int) -> DecodeGroups:
         """The staged decode groups of a padded batch: views of the staged buffer, at fixed addresses per size."""
-        slots, words = group_layout(size)
+        slots, part, words = group_layout(size)
         region = self._staged[HEAD_ROWS * size : HEAD_ROWS * size + words]
-        return DecodeGroups(groups=region[2 * size :].view(slots, 4), members=region[size : 2 * size],
+        return DecodeGroups(groups=region[2 * part :].view(slots, 4), members=region[part : part + size],
                             shared_lens=region[:size])
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -126,15 +127,15 @@ class PaddedDecode:
     def _stage_groups(self, region: np.ndarray, size: int, seq_lens: np.ndarray, block_tables: np.ndarray) -> int:
         """Write the step's decode groups at the start of `region` (`group_layout`; no group: all zero, so every
         slot is empty and every row walks its whole context); returns the words written."""
-        slots, words = group_layout(size)
+        _, part, words = group_layout(size)
         region[:words] = 0
         found = None
         if len(seq_lens):
             found = self.model.ops.group_decodes(seq_lens, block_tables, self.block_size, self.heads_per_kv)
         if found is not None:
             region[: len(seq_lens)] = found.shared_lens
-            region[size : size + len(found.members)] = found.members
-            region[2 * size : 2 * size + found.groups.size] = found.groups.ravel()
+            region[part : part + len(found.members)] = found.members
+            region[2 * part : 2 * part + found.groups.size] = found.groups.ravel()
         return words
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,

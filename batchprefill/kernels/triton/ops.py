@@ -41,8 +41,9 @@ class TritonPlan:
     num_decodes: int
     block_m: int
     num_segments: int  # decode grid depth
-    # The decodes grouped by shared prefix (`shared_prefix.DecodeGroups` on the device; None: no group of 2 or
-    # more shares a block, and the decodes launch as before), and the depth of the group programs' grid.
+    # The decodes grouped by shared prefix (`shared_prefix.DecodeGroups` on the device, planned from the host
+    # tables or the padded decode's fixed slots; None: no two decodes share a block, and they launch as before),
+    # and the depth of the group programs' grid.
     decode_groups: DecodeGroups | None = None
     prefix_segments: int = 1
 
