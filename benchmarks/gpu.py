@@ -6,7 +6,8 @@
 In order: correctness (every kernel against TorchOps at Llama-3-8B's shape (32 query heads, 8 KV heads,
 head dim 128) and at the shipped SmolLM2's (9 and 3, head dim 64), long chunks on 128-row tiles, a
 replayed CUDA graph against the eager forward on the same buffers), the device's copy and matmul
-ceilings, the prefill and decode kernel tables against PyTorch's SDPA, then the end-to-end engine
+ceilings, the prefill and decode kernel tables against PyTorch's SDPA, the shared-prefix decode table (issue 38's
+shapes, against its bytes floor and the ungrouped decode on the same blocks), then the end-to-end engine
 (gpu_e2e.py); the batch-invariance checks (gpu_invariance.py) run after the correctness ones. Each
 section that fails is recorded and the next one still runs; the results file is rewritten after every
 section, so a run cut short keeps what it measured. Timed kernels are warmed up, and L2 is flushed before
