@@ -6,7 +6,8 @@
 In order: correctness (every kernel against TorchOps at Llama-3-8B's shape (32 query heads, 8 KV heads,
 head dim 128) and at the shipped SmolLM2's (9 and 3, head dim 64), long chunks on 128-row tiles, a
 replayed CUDA graph against the eager forward on the same buffers), the device's copy and matmul
-ceilings, the prefill and decode kernel tables against PyTorch's SDPA, then the end-to-end engine
+ceilings, the prefill and decode kernel tables against PyTorch's SDPA, the shared-prefix decode table (issue 38's
+shapes, against its bytes floor and the ungrouped decode on the same blocks), then the end-to-end engine
 (gpu_e2e.py); the batch-invariance checks (gpu_invariance.py) run after the correctness ones. Each
 section that fails is recorded and the next one still runs; the results file is rewritten after every
 section, so a run cut short keeps what it measured. Timed kernels are warmed up, and L2 is flushed before
@@ -24,7 +25,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 from batchprefill.engine.decode_graphs import PaddedDecode  # noqa: E402
 from batchprefill.kernels.interface import AttentionMetadata  # noqa: E402
+from batchprefill.kernels.shared_prefix import DecodeGroups  # noqa: E402
 from batchprefill.kernels.torch.ops import TorchOps  # noqa: E402
 from batchprefill.kernels.triton.ops import TritonOps  # noqa: E402
 from batchprefill.model.rope import rope_cos_sin  # noqa: E402
@@ -63,7 +65,18 @@ class Shape:
 
 
 LLAMA3_8B = Shape(32, 8, 128)
+LLAMA32_1B = Shape(32, 8, 64)
 SMOLLM2 = Shape(9, 3, 64)  # the shipped model: GQA 3:1
+
+
+@dataclass(frozen=True)
+class SharedLayout:
+    """A decode step of `groups` groups of `members` sequences, each over `shared` tokens of its group's prefix
+    and 20-40 tokens of its own (the query's included)."""
+
+    groups: int
+    members: int
+    shared: int
 
 
 @dataclass
@@ -97,6 +110,12 @@ class Plan:
     ])
     decode_batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128, 256])
     decode_contexts: list[int] = field(default_factory=lambda: [1024, 4096, 8192, 16384, 32768])
+    # issue 38's job (16 system prompts of ~700 tokens, 511 decodes) and gpu_e2e's (prefixes of 2,048 tokens)
+    shared_shapes: list[tuple[str, Shape]] = field(default_factory=lambda: [
+        ("Llama-3.2-1B", LLAMA32_1B), ("Llama-3-8B", LLAMA3_8B)])
+    shared_layouts: list[SharedLayout] = field(default_factory=lambda: [
+        SharedLayout(16, 32, 704), SharedLayout(4, 128, 2048)])
+    shared_rows: tuple[int, ...] = (64, 128)  # TritonOps(shared_rows=...): the group programs' query rows
     graph_max_positions: int = 131072  # the decode grid a graph of a 131k-token model (Llama 3.1 8B) replays
     max_decode_tokens: int = 1 << 20  # 4 GiB of bf16 KV per layer at these shapes, plus SDPA's copy
     copy_bytes: int = 1 << 31
@@ -112,6 +131,7 @@ SMOKE = Plan(
     fresh_checks=[("from scratch beside cached and a decode", SMOKE_SHAPE, [(0, 20), (30, 9), (20, 1), (0, 13)])],
     ops_settings=dict(decode_min_segment=32), graph_model=gpu_e2e.SMOKE, graph_contexts=(40, 3, 17),
     prefill=[(48, 48), (100, 37)], decode_batches=[1, 3], decode_contexts=[100], graph_max_positions=256,
+    shared_shapes=[("smoke", SMOKE_SHAPE)], shared_layouts=[SharedLayout(2, 3, 32)], shared_rows=(64,),
     max_decode_tokens=1 << 10, copy_bytes=1 << 20, matmul_size=64,
 )
 
@@ -194,13 +214,14 @@ def check_kernels(plan: Plan, device: torch.device, dtype: torch.dtype, checker:
 
 
 def check_decode_graph(plan: Plan, device: torch.device, dtype: torch.dtype, checker: Checker) -> None:
-    """A random-weight model of the shipped shape, one padded decode step (5 rows in the graph of 8): the
-    replayed CUDA graph against the eager forward on the same buffers (bitwise), and the padded and the unpadded
-    forward each against a float32 forward of the same weights and cache. The first H200 run compared padded with
-    unpadded directly and found 0.085 apart in bf16: a matmul over 8 rows and one over 5 round differently, and 30
-    layers compound it. So the padded forward passes when it is no further from float32 than twice the unpadded one
-    (plus one bf16 step of the largest logit), and with batch-invariant kernels, where a row's bits do not depend on
-    the rows beside it, padded and unpadded must be bitwise equal. Off CUDA no graph is captured."""
+    """A random-weight model of the shipped shape, one padded decode step (5 rows in the graph of 8, rows 0 and
+    2 sharing row 2's prefix blocks, so the step runs the shared-prefix decode): the replayed CUDA graph against
+    the eager forward on the same buffers (bitwise), and the padded and the unpadded forward each against a float32
+    forward of the same weights and cache. The first H200 run compared padded with unpadded directly and found
+    0.085 apart in bf16: a matmul over 8 rows and one over 5 round differently, and 30 layers compound it. So the
+    padded forward passes when it is no further from float32 than twice the unpadded one (plus one bf16 step of the
+    largest logit), and with batch-invariant kernels, where a row's bits do not depend on the rows beside it, padded
+    and unpadded must be bitwise equal. Off CUDA no graph is captured."""
     w = plan.graph_model
     contexts = np.asarray(plan.graph_contexts)
     block = plan.block_size
@@ -215,6 +236,8 @@ def check_decode_graph(plan: Plan, device: torch.device, dtype: torch.dtype, che
     bounds = np.concatenate([[0], np.cumsum(per_seq)])
     for row, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         tables[row, : hi - lo] = order[lo:hi]
+    shared = contexts[2] // block  # row 2's whole context before its query: a decode group with row 0
+    tables[2, :shared] = tables[0, :shared]
     ids = np.arange(len(contexts)) * 7 + 3
     slots = tables[np.arange(len(contexts)), contexts // block].astype(np.int64) * block + contexts % block
     meta = AttentionMetadata(
@@ -370,6 +393,92 @@ def bench_decode(plan: Plan, device: torch.device, dtype: torch.dtype, ceilings:
     return rows
 
 
+def shared_prefix_batch(layout: SharedLayout, shape: Shape, block: int, dtype: torch.dtype, device: torch.device,
+                        seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(query, k_cache, v_cache, meta) of one decode step in `layout`: each group's prefix blocks held once in
+    the pool (as the prefix cache holds them), each sequence's own blocks after them; `meta` carries the host
+    tables."""
+    if layout.shared % block:
+        raise ValueError(f"the shared prefix ({layout.shared}) must be whole blocks of {block}")
+    batch = layout.groups * layout.members
+    own = 20 + (np.arange(batch) * 7) % 21  # tokens after the prefix, the query's included
+    seq_lens = layout.shared + own
+    prefix_blocks = layout.shared // block
+    own_blocks = -(-seq_lens // block) - prefix_blocks
+    width = int(prefix_blocks + own_blocks.max())
+    tables = np.zeros((batch, width), dtype=np.int32)
+    group = np.arange(batch) // layout.members
+    tables[:, :prefix_blocks] = group[:, None] * prefix_blocks + np.arange(prefix_blocks)
+    next_block = layout.groups * prefix_blocks
+    for row, count in enumerate(own_blocks.tolist()):
+        tables[row, prefix_blocks : prefix_blocks + count] = next_block + np.arange(count)
+        next_block += count
+    gen = torch.Generator(device).manual_seed(seed)
+    cache_shape = (next_block, block, shape.kv_heads, shape.head_dim)
+    k_cache, v_cache = (torch.randn(cache_shape, generator=gen, device=device, dtype=dtype) for _ in range(2))
+    query = torch.randn(batch, shape.heads, shape.head_dim, generator=gen, device=device, dtype=dtype)
+    positions = seq_lens - 1
+    slots = tables[np.arange(batch), positions // block].astype(np.int64) * block + positions % block
+    meta = AttentionMetadata(
+        query_start=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.from_numpy(seq_lens).int().to(device), block_tables=torch.from_numpy(tables).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device), query_lens_host=[1] * batch,
+        seq_lens_host=seq_lens.tolist(), block_tables_host=tables,
+    )
+    return query, k_cache, v_cache, meta
+
+
+def graph_groups(ops: TritonOps, meta: AttentionMetadata, shape: Shape, block: int) -> DecodeGroups:
+    """The step's decode groups as the padded decode stages them: a fixed grid of batch // 2 group slots on the
+    device, the unused ones empty."""
+    batch = meta.num_seqs
+    found = ops.group_decodes(np.asarray(meta.seq_lens_host), meta.block_tables_host, block,
+                              shape.heads // shape.kv_heads)
+    slots = np.zeros((max(1, batch // 2), 4), dtype=np.int32)
+    slots[: len(found.groups)] = found.groups
+    members = np.zeros(batch, dtype=np.int32)
+    members[: len(found.members)] = found.members
+    device = meta.seq_lens.device
+    return DecodeGroups(*(torch.from_numpy(a).to(device) for a in (slots, members, found.shared_lens)))
+
+
+def bench_shared_decode(plan: Plan, device: torch.device, dtype: torch.dtype, ceilings: dict, timer: Timer
+                        ) -> list[dict]:
+    """Shared-prefix decode attention (kernels/triton/shared_decode.py) as the engine's graphs replay it (groups
+    staged in fixed slots, grids planned for `graph_max_positions`), against the floor of its bytes (each group's
+    prefix KV once plus every sequence's own, at the measured copy bandwidth) and against the ungrouped split-K
+    decode on the same batch and the same physical blocks (what the engine ran before issue 38)."""
+    rows = []
+    for name, shape in plan.shared_shapes:
+        for layout in plan.shared_layouts:
+            query, k_cache, v_cache, meta = shared_prefix_batch(layout, shape, plan.block_size, dtype, device)
+            scale = shape.head_dim**-0.5
+            padded = [plan.graph_max_positions] * meta.num_seqs
+            ungrouped = replace(meta, seq_lens_host=padded, block_tables_host=None)
+            old_ops = TritonOps(**plan.ops_settings)
+            old_meta = old_ops.plan(ungrouped, k_cache, shape.heads, dtype)
+            old_ms = timer(partial(old_ops.attention, query, k_cache, v_cache, old_meta, scale), graph=True)
+            want = old_ops.attention(query, k_cache, v_cache, old_meta, scale)
+            kv_row = 2 * shape.kv_heads * shape.head_dim * k_cache.element_size()  # K and V bytes of one token
+            own_tokens = sum(meta.seq_lens_host) - meta.num_seqs * layout.shared
+            floor_bytes = kv_row * (layout.groups * layout.shared + own_tokens)
+            floor_ms = floor_bytes / ceilings["copy_gbps"] / 1e6
+            for shared_rows in plan.shared_rows:
+                ops = TritonOps(**plan.ops_settings, shared_rows=shared_rows)
+                grouped = replace(ungrouped, decode_groups=graph_groups(ops, meta, shape, plan.block_size))
+                grouped = ops.plan(grouped, k_cache, shape.heads, dtype)
+                shared_ms = timer(partial(ops.attention, query, k_cache, v_cache, grouped, scale), graph=True)
+                got = ops.attention(query, k_cache, v_cache, grouped, scale)
+                rows.append({
+                    "shape": name, "groups": layout.groups, "members": layout.members, "shared": layout.shared,
+                    "own_mean": own_tokens / meta.num_seqs, "shared_rows": shared_rows, "shared_ms": shared_ms,
+                    "floor_ms": floor_ms, "x_floor": shared_ms / floor_ms, "ungrouped_ms": old_ms,
+                    "speedup": old_ms / shared_ms, "max_err": (got.float() - want.float()).abs().max().item(),
+                })
+            del query, k_cache, v_cache, meta, ungrouped, old_meta
+    return rows
+
+
 def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
     columns = list(rows[0])
@@ -412,8 +521,8 @@ def write_results(path: Path, results: dict) -> None:
         path.write_text(json.dumps(results, indent=2))
 
 
-SECTIONS = ("kernel_checks", "graph_checks", "invariance", "ceilings", "prefill", "decode", "moe", "end_to_end",
-            "goals")
+SECTIONS = ("kernel_checks", "graph_checks", "invariance", "ceilings", "prefill", "decode", "shared_decode", "moe",
+            "end_to_end", "goals")
 
 
 def main() -> None:
@@ -483,6 +592,12 @@ def main() -> None:
         if decode:
             print_table(f"decode attention (CUDA graph replay, grid planned for {plan.graph_max_positions} "
                         "positions as the engine's graphs are; GB/s counts K and V bytes read)", decode)
+        shared = section("shared_decode", lambda: bench_shared_decode(plan, device, dtype, ceilings, timer))
+        if shared:
+            print_table("shared-prefix decode attention (CUDA graph replay; floor: each group's prefix KV once + "
+                        "own KV at copy bandwidth; ungrouped: the split-K decode on the same blocks)", shared)
+            results["check_failures"] += [f"shared decode {r['shape']} {r['groups']}x{r['members']} rows "
+                                          f"{r['shared_rows']}" for r in shared if not r["max_err"] <= TOLERANCE]
     moe = section("moe", lambda: gpu_moe.run(args.smoke, device, lambda fn, _, graph=False: timer(fn, graph=graph)))
     if moe:
         print_table("fused MoE against the per-expert torch loop (bf16)", moe)
@@ -491,8 +606,8 @@ def main() -> None:
     section("goals", lambda: judge_goals(results.get("prefill") or [], results.get("decode") or [], end_to_end))
     write_results(args.out, results)
     print(f"\nwrote {args.out}; total {time.time() - start:.0f} s")
-    if results["errors"] or checker.failures:
-        sys.exit(f"failed: {sorted(results['errors'])} {checker.failures}")
+    if results["errors"] or results["check_failures"]:
+        sys.exit(f"failed: {sorted(results['errors'])} {results['check_failures']}")
 
 
 if __name__ == "__main__":

@@ -15,10 +15,14 @@ def test_gpu_benchmark_smoke_mode_runs_every_section(tmp_path):
     done = run_cli(["python", str(REPO / "benchmarks" / "gpu.py"), "--smoke", "--out", str(out)])
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
-    assert {"prefill", "decode", "goals", "end_to_end", "ceilings", "checks", "moe"} <= set(results)
-    assert [(row["tokens"], row["max_error"] < 2e-2) for row in results["moe"]] == [(1, True), (9, True)]
+    assert {"prefill", "decode", "shared_decode", "goals", "end_to_end", "ceilings", "checks", "moe"} <= set(results)
+    shared = results["shared_decode"]
+    assert [(row["groups"], row["members"], row["max_err"] < 2e-2) for row in shared] == [(2, 3, True)]
+    assert [(row["tokens"], row["max_error_vs_fp32"] < 5e-2) for row in results["moe"]] == [(1, True), (9, True)]
     assert results["errors"] == {} and results["check_failures"] == []
-    assert "padded decode vs unpadded forward" in {c["check"] for c in results["checks"]}
+    checks = {c["check"] for c in results["checks"]}
+    assert "batch-invariant padded decode vs unpadded" in checks
+    assert any(c.startswith("padded decode vs float32") for c in checks)
     runs = results["end_to_end"]["runs"]
     assert [(r["prefix_caching"], r["repeat"]) for r in runs] == [(True, 1), (False, 1), (True, 2), (False, 2)]
     for on, off in (runs[:2], runs[2:]):

@@ -9,6 +9,10 @@ kernel splits each context into segments from that length).
 Host work per step: vectorized writes into one persistent host buffer (pinned on CUDA), one non-blocking
 copy of it to the device, one device-side copy of the block tables into their fixed-stride buffer, and the
 replay, whose first kernels unpack the rest into the typed buffers the model reads.
+
+Decodes that share full blocks (a system prompt) are grouped on the host from the block tables (`Ops.group_decodes`)
+and staged with the rest, after the head: the attention reads each group's shared KV once for all its members,
+over a fixed grid of group slots (an empty slot computes nothing), straight from the staged buffer.
 """
 
 from __future__ import annotations
@@ -17,10 +21,20 @@ import numpy as np
 import torch
 
 from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.kernels.shared_prefix import DecodeGroups
 from batchprefill.model.decoder import DecoderModel
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 HEAD_ROWS = 4  # the staged head: token ids, positions, slots, sequence lengths, one row of `size` each
+
+
+def group_layout(size: int) -> tuple[int, int, int]:
+    """(group slots, words per row part, int32 words) of a padded batch's decode groups, staged after the head:
+    each row's shared length, the member rows, then (first member, count, shared tokens, table row) per group
+    slot, each part 16 bytes aligned (a kernel specializes on its pointers' alignment: no size compiles another
+    variant). Every group has 2 members or more (`Ops.group_decodes`), so size // 2 slots hold any step's."""
+    slots, row_part = max(1, size // 2), -(-size // 4) * 4
+    return slots, row_part, 2 * row_part + 4 * slots
 
 
 class PaddedDecode:
@@ -34,13 +48,15 @@ class PaddedDecode:
         largest = self.sizes[-1]
         self.max_len = model.config.max_positions
         self.width = -(-self.max_len // block_size)
+        self.block_size = block_size
+        self.heads_per_kv = model.config.num_heads // model.config.num_kv_heads
         int32 = dict(dtype=torch.int32, device=device)
         self.longs = torch.zeros(3, largest, dtype=torch.int64, device=device)  # ids, positions, slots
         self.seq_lens = torch.ones(largest, **int32)
         self.block_tables = torch.zeros(largest, self.width, **int32)
         self.query_start = torch.arange(largest + 1, **int32)
         self.rows = torch.arange(largest, dtype=torch.int64, device=device)
-        capacity = HEAD_ROWS * largest + largest * self.width
+        capacity = HEAD_ROWS * largest + group_layout(largest)[2] + largest * self.width
         self._pinned = device.type == "cuda"
         self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=self._pinned)
         self._staged = torch.empty(capacity, **int32)
@@ -62,8 +78,15 @@ class PaddedDecode:
         return AttentionMetadata(
             query_start=self.query_start[: size + 1], seq_lens=self.seq_lens[:size],
             block_tables=self.block_tables[:size], slot_mapping=self.longs[2, :size],
-            query_lens_host=[1] * size, seq_lens_host=[self.max_len] * size,
+            query_lens_host=[1] * size, seq_lens_host=[self.max_len] * size, decode_groups=self._groups(size),
         )
+
+    def _groups(self, size: int) -> DecodeGroups:
+        """The staged decode groups of a padded batch: views of the staged buffer, at fixed addresses per size."""
+        slots, part, words = group_layout(size)
+        region = self._staged[HEAD_ROWS * size : HEAD_ROWS * size + words]
+        return DecodeGroups(groups=region[2 * part :].view(slots, 4), members=region[part : part + size],
+                            shared_lens=region[:size])
 
     def _forward(self, size: int) -> torch.Tensor:
         """Unpack the staged head into the typed buffers, then the model: a graph captures both."""
@@ -98,13 +121,28 @@ class PaddedDecode:
         for row, values, pad in zip(head, (input_ids, positions, slots, seq_lens), (0, 0, -1, 1), strict=True):
             row[:batch] = values
             row[batch:] = pad
-        end = HEAD_ROWS * size + batch * width
-        host[HEAD_ROWS * size : end].reshape(batch, width)[:] = block_tables
+        tables_start = HEAD_ROWS * size + self._stage_groups(host[HEAD_ROWS * size :], size, seq_lens, block_tables)
+        end = tables_start + batch * width
+        host[tables_start:end].reshape(batch, width)[:] = block_tables
         self._staged[:end].copy_(self._host[:end], non_blocking=True)
         if self._pinned:
             self._copied = torch.cuda.Event()
             self._copied.record()
-        self.block_tables[:batch, :width].copy_(self._staged[HEAD_ROWS * size : end].view(batch, width))
+        self.block_tables[:batch, :width].copy_(self._staged[tables_start:end].view(batch, width))
+
+    def _stage_groups(self, region: np.ndarray, size: int, seq_lens: np.ndarray, block_tables: np.ndarray) -> int:
+        """Write the step's decode groups at the start of `region` (`group_layout`; no group: all zero, so every
+        slot is empty and every row walks its whole context); returns the words written."""
+        _, part, words = group_layout(size)
+        region[:words] = 0
+        found = None
+        if len(seq_lens):
+            found = self.model.ops.group_decodes(seq_lens, block_tables, self.block_size, self.heads_per_kv)
+        if found is not None:
+            region[: len(seq_lens)] = found.shared_lens
+            region[part : part + len(found.members)] = found.members
+            region[2 * part : 2 * part + found.groups.size] = found.groups.ravel()
+        return words
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
             block_tables: np.ndarray) -> torch.Tensor:

@@ -106,6 +106,7 @@ class ModelRunner:
             query_start=query_start.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
             block_tables=tables.to(torch.int32), slot_mapping=slots,
             query_lens_host=np.diff(inputs.query_start).tolist(), seq_lens_host=inputs.seq_lens.tolist(),
+            block_tables_host=inputs.block_tables,
         )
         lora = LoraStep.of(inputs.token_adapters, self.device) if self.model.adapters else None
         return (ids, positions, self.kv_caches, meta, rows), lora

@@ -13,12 +13,16 @@ Layouts:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 
 from batchprefill.kernels.experts import ExpertWeights
 from batchprefill.kernels.lora import LoraStep, LoraWeights
+
+if TYPE_CHECKING:
+    from batchprefill.kernels.shared_prefix import DecodeGroups
 
 
 @dataclass
@@ -32,6 +36,12 @@ class AttentionMetadata:
     query_lens_host: list[int]  # host copies, so no backend has to sync the device to loop
     seq_lens_host: list[int]
     plan: Any = None  # the backend's plan for this step (`Ops.plan`), built once and read by every layer
+    # The block tables on the host ([S, width] int32, as `block_tables`), for plans that group sequences by the
+    # blocks they share without reading the device; None where the caller has none.
+    block_tables_host: np.ndarray | None = None
+    # A decode-only step on fixed buffers (engine/decode_graphs.py): its decode groups (`Ops.group_decodes`) as
+    # persistent device tensors, staged before each replay; the plan launches over all their slots.
+    decode_groups: DecodeGroups | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -55,6 +65,12 @@ class Ops(Protocol):
              ) -> AttentionMetadata:
         """`meta` with this backend's per-step plan attached: whatever host-side layout its attention needs,
         built once before the first layer instead of once per layer."""
+
+    def group_decodes(self, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int, heads_per_kv: int
+                      ) -> DecodeGroups | None:
+        """A decode-only step's groups of sequences sharing full blocks, as this backend's attention reads them
+        from `AttentionMetadata.decode_groups` (None: it reads none, or no two sequences share a block). There are
+        at most len(seq_lens) // 2 groups, so fixed buffers can hold any step's."""
 
     def store_kv(
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -31,7 +31,7 @@ import torch
 from batchprefill.intmath import cdiv
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.native import build as native
-from batchprefill.kernels.torch.prefix_groups import by_deepest_prefix
+from batchprefill.kernels.shared_prefix import by_deepest_prefix
 
 _ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
@@ -102,7 +102,7 @@ class PagedDecode:
              block: int, per_kv: int, tiles: bool = False) -> PagedPlan | None:
         """A step's `decodes` and the rows of its `chunks` (prefill chunks after a cached prefix), for one call.
 
-        Decodes sharing a prefix form sets (`prefix_groups.by_deepest_prefix`) of at most MAX_SET_ROWS rows; a
+        Decodes sharing a prefix form sets (`shared_prefix.by_deepest_prefix`) of at most MAX_SET_ROWS rows; a
         decode that shares nothing with another is a set of one. Chunks as `_chunk_sets` lays them out (`tiles`:
         for the tile walks). Largest sets first: items are taken in order by whichever thread is free, so the
         longest ones do not start last.
@@ -220,7 +220,7 @@ def on_host(*tensors: torch.Tensor) -> None:
 
 def _decode_sets(meta: AttentionMetadata, decodes: list[int], tables: list[list[int]], block: int,
                  per_kv: int, whole: int = 1) -> list[Set]:
-    """Decodes sharing a prefix (`prefix_groups.by_deepest_prefix`), cut to a multiple of `whole` blocks, in sets
+    """Decodes sharing a prefix (`shared_prefix.by_deepest_prefix`), cut to a multiple of `whole` blocks, in sets
     of at most MAX_SET_ROWS rows; a decode that shares nothing with another is a set of one."""
     most = max(1, MAX_SET_ROWS // per_kv)
     query_start = np.cumsum([0, *meta.query_lens_host]).tolist()

@@ -1,7 +1,7 @@
 """Decode attention on the CPU where the in-place kernel (kernels/native/paged_decode.py) is not built, and its
 reference: each shared prefix read once per group, and no query scanning another's blocks.
 
-A step's decodes are keyed by the deepest prefix blocks they share (`prefix_groups.by_deepest_prefix`).
+A step's decodes are keyed by the deepest prefix blocks they share (`shared_prefix.by_deepest_prefix`).
 Attention then runs as two batched fused calls and a log-sum-exp merge:
 - shared: each group's queries (members x query heads of a KV head, as rows) against the group's shared
   blocks only. Every member sees the whole shared prefix, so the only mask is padding to the longest prefix
@@ -24,7 +24,8 @@ import torch
 
 from batchprefill.intmath import cdiv
 from batchprefill.kernels.interface import AttentionMetadata
-from batchprefill.kernels.torch.prefix_groups import PADDING_BUDGET, by_deepest_prefix
+from batchprefill.kernels.shared_prefix import by_deepest_prefix
+from batchprefill.kernels.torch.prefix_groups import PADDING_BUDGET
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 

@@ -18,6 +18,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +30,7 @@ from batchprefill.kernels.native import build as native_build
 from batchprefill.kernels.native import elementwise as native_elementwise
 from batchprefill.kernels.native import paged_decode
 from batchprefill.kernels.native.paged_decode import PagedPlan
+from batchprefill.kernels.shared_prefix import DecodeGroups
 from batchprefill.kernels.torch import elementwise as torch_elementwise
 from batchprefill.kernels.torch.decode_groups import DecodePlan, plan_decodes
 from batchprefill.kernels.torch.prefix_groups import GroupBatch, batch_groups, find_groups, group_attention, pad_batch
@@ -90,6 +92,11 @@ class TorchOps:
         self.rms_norm = torch_elementwise.rms_norm if plain else elementwise.rms_norm
         self.rope = torch_elementwise.rope if plain else elementwise.rope
         self.store_kv = torch_elementwise.store_kv if plain else elementwise.store_kv
+
+    def group_decodes(self, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int, heads_per_kv: int
+                      ) -> DecodeGroups | None:
+        """None: this backend groups a step's decodes in `plan`, from the step's own tables."""
+        return None
 
     def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
              ) -> AttentionMetadata:

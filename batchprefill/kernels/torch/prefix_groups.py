@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from batchprefill.intmath import cdiv
 from batchprefill.kernels.interface import AttentionMetadata
+from batchprefill.kernels.shared_prefix import by_deepest_prefix
 
 # Padding and masked-off work stay within this multiple of the real query-key pairs: in a batch of groups,
 # and inside a group, where every query scans its partners' own blocks too.
@@ -69,30 +70,6 @@ def find_groups(meta: AttentionMetadata, seqs: list[int], tables: list[list[int]
                 continue
         groups += alone
     return groups
-
-
-def by_deepest_prefix(meta: AttentionMetadata, seqs: list[int], tables: list[list[int]], block: int
-                      ) -> dict[tuple[int, ...], list[int]]:
-    """The sequences keyed by the deepest run of leading blocks each shares with another sequence of the set
-    (an empty key: it shares none). Only blocks wholly before a sequence's first query count as shared.
-
-    Counted with numpy over a padded `[sequences, blocks]` array: at 256 decodes of 100 blocks, a dict count
-    per block took milliseconds per step."""
-    if not seqs:
-        return {}
-    limits = [(meta.seq_lens_host[s] - meta.query_lens_host[s]) // block for s in seqs]
-    held = np.full((len(seqs), max(max(limits), 1)), -1, dtype=np.int64)
-    for i, (s, limit) in enumerate(zip(seqs, limits)):
-        row = tables[s][:limit]
-        held[i, : len(row)] = row
-    valid = held >= 0
-    holders = np.bincount(held[valid], minlength=1)
-    shared = valid & (holders[np.where(valid, held, 0)] > 1)
-    depths = np.cumprod(shared, axis=1).sum(axis=1).tolist()
-    by_prefix: dict[tuple[int, ...], list[int]] = {}
-    for i, (s, depth) in enumerate(zip(seqs, depths)):
-        by_prefix.setdefault(tuple(held[i, :depth].tolist()), []).append(s)
-    return by_prefix
 
 
 def _group_of(prefix: tuple[int, ...], members: list[int], meta: AttentionMetadata, tables: list[list[int]],

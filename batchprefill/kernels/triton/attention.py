@@ -23,6 +23,7 @@ import inspect
 import os
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -32,6 +33,20 @@ LOG2E = 1.4426950408889634
 # The merge kernel holds every segment of one head in registers at once, always this many wide (masked), so
 # the split depth, which changes from step to step, never compiles a new variant.
 MAX_SEGMENTS = 64
+# The same for the shared-prefix segments of a decode group (shared_decode.py), merged in the same pass.
+MAX_PREFIX_SEGMENTS = 16
+
+
+@dataclass
+class SharedPrefixParts:
+    """Where the shared-prefix decode (shared_decode.py) left each row's prefix partials: `out` [rows, Hq, slots,
+    BLOCK_D] and `lse` [rows, Hq, slots] (float32), the first `prefix_slots` slots of each row and head; the rest
+    are the row's own segments. `lens` [rows] int32: shared tokens of each row (0: in no group)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    prefix_slots: int
+    lens: torch.Tensor
 
 
 def jit_unspecialized(*names: str) -> Callable:
@@ -162,19 +177,21 @@ def _segment_len(seq_len, num_segments, min_segment, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, wanted), BLOCK_N) * BLOCK_N
 
 
-@jit_unspecialized("stride_table", "min_segment")
+@jit_unspecialized("stride_table", "min_segment", "prefix_slots")
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, seq_index_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, seq_index_ptr, shared_lens_ptr,
     query_start_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, block_size, head_dim, min_segment, window,
-    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+    prefix_slots, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_table,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, INDEXED: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, INDEXED: tl.constexpr, SLIDING: tl.constexpr, SHARED: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: one segment of one sequence's context for all query heads of one KV head, so each
     KV tile is read once per GQA group. With SPLIT it writes a normalized partial output and its LSE.
-    With INDEXED, launch row i serves sequence seq_index[i] (the single-token rows of a mixed step)."""
+    With INDEXED, launch row i serves sequence seq_index[i] (the single-token rows of a mixed step).
+    With SHARED, launch row i walks only its own context, from shared_lens[i] (what its group's program in
+    shared_decode.py reads once for all members) to its end, into the slots after the `prefix_slots` ones."""
     launch_row = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -184,8 +201,11 @@ def _decode_kernel(
         seq = tl.load(seq_index_ptr + launch_row)
     seq_len = tl.load(seq_lens_ptr + seq)
     row = tl.load(query_start_ptr + seq)
-    segment_len = _segment_len(seq_len, num_segments, min_segment, BLOCK_N)
-    lo = segment * segment_len
+    start = 0
+    if SHARED:
+        start = tl.load(shared_lens_ptr + launch_row)
+    segment_len = _segment_len(seq_len - start, num_segments, min_segment, BLOCK_N)
+    lo = start + segment * segment_len
     hi = tl.minimum(seq_len, lo + segment_len)
     if SLIDING:  # the query at seq_len - 1 sees its last `window` positions; earlier segments stay empty
         lo = tl.maximum(lo, seq_len - window)
@@ -226,8 +246,10 @@ def _decode_kernel(
     l_i = tl.maximum(l_i, 1e-30)  # 0 only in a segment past the sequence end, which the merge never reads
     out = acc / l_i[:, None]
     if SPLIT:
-        # Layouts: part_out [S, Hq, num_segments, BLOCK_D], part_lse [S, Hq, num_segments].
-        slot = (launch_row * tl.num_programs(1) * GROUP + heads) * num_segments + segment
+        # Layouts: part_out [S, Hq, prefix_slots + num_segments, BLOCK_D], part_lse [S, Hq, prefix_slots +
+        # num_segments]; prefix_slots is 0 unless SHARED.
+        slots = prefix_slots + num_segments
+        slot = (launch_row * tl.num_programs(1) * GROUP + heads) * slots + prefix_slots + segment
         tl.store(part_lse_ptr + slot, m_i + tl.log2(l_i), mask=head_valid)
         tl.store(part_out_ptr + slot[:, None] * BLOCK_D + dims[None, :], out, mask=q_mask)
     else:
@@ -235,13 +257,23 @@ def _decode_kernel(
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@jit_unspecialized("min_segment", "num_segments")
+@triton.jit
+def _slot_weights(lse_ptr, slots, valid, top):
+    """2^(lse - top) of each valid slot, 0 for the others (an empty segment, a row's missing prefix)."""
+    lse = tl.load(lse_ptr + slots, mask=valid, other=float("-inf"))
+    return tl.where(valid, tl.exp2(lse - top), 0.0)
+
+
+@jit_unspecialized("min_segment", "num_segments", "prefix_slots")
 def _merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, seq_index_ptr, query_start_ptr, seq_lens_ptr, min_segment,
-    num_segments, head_dim, stride_ot, stride_oh, stride_od,
-    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INDEXED: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, seq_index_ptr, shared_lens_ptr, query_start_ptr, seq_lens_ptr, min_segment,
+    num_segments, prefix_slots, head_dim, stride_ot, stride_oh, stride_od,
+    BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    INDEXED: tl.constexpr, SHARED: tl.constexpr,
 ):
-    """Combine one head's segment outputs, each weighted by its share of the softmax mass (2^lse)."""
+    """Combine one head's segment outputs, each weighted by its share of the softmax mass (2^lse). With SHARED
+    the row's first `prefix_slots` slots hold its group's shared-prefix segments (none valid for a row in no
+    group), merged in the same pass as its own segments."""
     launch_row = tl.program_id(0)
     head = tl.program_id(1)
     seq = launch_row
@@ -249,18 +281,36 @@ def _merge_kernel(
         seq = tl.load(seq_index_ptr + launch_row)
     seq_len = tl.load(seq_lens_ptr + seq)
     row = tl.load(query_start_ptr + seq)
+    shared = 0
+    if SHARED:
+        shared = tl.load(shared_lens_ptr + launch_row)
+    own = seq_len - shared
     segments = tl.arange(0, BLOCK_S)
-    seg_valid = segments < tl.cdiv(seq_len, _segment_len(seq_len, num_segments, min_segment, BLOCK_N))
+    seg_valid = segments < tl.cdiv(own, _segment_len(own, num_segments, min_segment, BLOCK_N))
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < head_dim
-    slot = (launch_row * tl.num_programs(1) + head) * num_segments + segments
-    lse = tl.load(part_lse_ptr + slot, mask=seg_valid, other=float("-inf"))
+    first_slot = (launch_row * tl.num_programs(1) + head) * (prefix_slots + num_segments)
+    slot = first_slot + prefix_slots + segments
+    top = tl.max(tl.load(part_lse_ptr + slot, mask=seg_valid, other=float("-inf")), 0)
+    if SHARED:
+        prefix = tl.arange(0, BLOCK_P)
+        prefix_len = tl.maximum(_segment_len(shared, prefix_slots, min_segment, BLOCK_N), 1)
+        prefix_valid = prefix < tl.cdiv(shared, prefix_len)
+        top = tl.maximum(top, tl.max(tl.load(part_lse_ptr + first_slot + prefix, mask=prefix_valid,
+                                             other=float("-inf")), 0))
+    weight = _slot_weights(part_lse_ptr, slot, seg_valid, top)
     parts = tl.load(part_out_ptr + slot[:, None] * BLOCK_D + dims[None, :],
                     mask=seg_valid[:, None] & dim_valid[None, :], other=0.0)
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    total = tl.sum(parts * weight[:, None], 0)
+    mass = tl.sum(weight, 0)
+    if SHARED:
+        prefix_weight = _slot_weights(part_lse_ptr, first_slot + prefix, prefix_valid, top)
+        prefix_parts = tl.load(part_out_ptr + (first_slot + prefix)[:, None] * BLOCK_D + dims[None, :],
+                               mask=prefix_valid[:, None] & dim_valid[None, :], other=0.0)
+        total += tl.sum(prefix_parts * prefix_weight[:, None], 0)
+        mass += tl.sum(prefix_weight, 0)
     o_offs = row * stride_ot + head * stride_oh + dims * stride_od
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+    tl.store(out_ptr + o_offs, (total / mass).to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
 def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
@@ -317,38 +367,44 @@ def decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, seq_index: torch.Tensor | None,
     scale: float, num_segments: int, min_segment: int, block_n: int, num_warps: int, num_stages: int,
-    window: int | None = None,
+    window: int | None = None, shared: SharedPrefixParts | None = None,
 ) -> None:
     """Launch the decode kernel over (sequence, KV head, segment), then the merge when split.
 
     `seq_index` lists the sequences to serve (the decodes of a mixed step); None serves every sequence.
     Each sequence splits its own context on the device into at most `num_segments` segments of at least
-    `min_segment` tokens."""
+    `min_segment` tokens. With `shared` (shared_decode.py), each row walks only the context after its shared
+    prefix, whose partial results are already in `shared`'s buffers, and the merge takes both."""
     num_rows = seq_lens.shape[0] if seq_index is None else seq_index.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
-    split = num_segments > 1
+    split = num_segments > 1 or shared is not None
     indexed = seq_index is not None
     seq_index = seq_lens if seq_index is None else seq_index  # a placeholder pointer when not indexed
     part_out = part_lse = out  # unused placeholders when not split
-    if split:
+    prefix_slots, shared_lens = 0, seq_lens  # the placeholder pointer is never read without SHARED
+    if shared is not None:
+        if window is not None:
+            raise ValueError("the shared-prefix decode has no sliding window: plan such layers without groups")
+        part_out, part_lse, prefix_slots, shared_lens = shared.out, shared.lse, shared.prefix_slots, shared.lens
+    elif split:
         part_out = torch.empty(num_rows, num_heads, num_segments, block_d, dtype=torch.float32,
                                device=query.device)
         part_lse = torch.empty(num_rows, num_heads, num_segments, dtype=torch.float32, device=query.device)
     upcast, precision = dot_settings(query.dtype)
     _decode_kernel[(num_rows, num_kv_heads, num_segments)](
-        query, k_cache, v_cache, out, part_out, part_lse, seq_index, query_start, seq_lens, block_tables,
-        scale * LOG2E, k_cache.shape[1], head_dim, min_segment, window or 0, *query.stride(), *out.stride(),
-        *_cache_strides(k_cache, v_cache), block_tables.stride(0),
+        query, k_cache, v_cache, out, part_out, part_lse, seq_index, shared_lens, query_start, seq_lens,
+        block_tables, scale * LOG2E, k_cache.shape[1], head_dim, min_segment, window or 0, prefix_slots,
+        *query.stride(), *out.stride(), *_cache_strides(k_cache, v_cache), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        SPLIT=split, INDEXED=indexed, SLIDING=window is not None, UPCAST=upcast, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
+        SPLIT=split, INDEXED=indexed, SLIDING=window is not None, SHARED=shared is not None, UPCAST=upcast,
+        DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _merge_kernel[(num_rows, num_heads)](
-            part_out, part_lse, out, seq_index, query_start, seq_lens, min_segment, num_segments, head_dim,
-            *out.stride(), BLOCK_S=MAX_SEGMENTS, BLOCK_N=block_n, BLOCK_D=block_d,
-            INDEXED=indexed,
+            part_out, part_lse, out, seq_index, shared_lens, query_start, seq_lens, min_segment, num_segments,
+            prefix_slots, head_dim, *out.stride(), BLOCK_S=MAX_SEGMENTS, BLOCK_P=MAX_PREFIX_SEGMENTS,
+            BLOCK_N=block_n, BLOCK_D=block_d, INDEXED=indexed, SHARED=shared is not None,
         )

@@ -9,11 +9,14 @@ import numpy as np
 import torch
 import triton
 
+from batchprefill.kernels import shared_prefix
 from batchprefill.kernels.experts import ExpertWeights
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.lora import LoraStep, LoraWeights
+from batchprefill.kernels.shared_prefix import DecodeGroups
 from batchprefill.kernels.triton import elementwise as triton_elementwise
 from batchprefill.kernels.triton.attention import (
+    MAX_PREFIX_SEGMENTS,
     MAX_SEGMENTS,
     decode_attention,
     dot_settings,
@@ -23,6 +26,7 @@ from batchprefill.kernels.triton.attention import (
 from batchprefill.kernels.triton.fresh_chunks import FreshChunks, attend_fresh, can_route, fresh_layout
 from batchprefill.kernels.triton.lora import segmented_lora
 from batchprefill.kernels.triton.moe import fused_experts
+from batchprefill.kernels.triton.shared_decode import SHARED_ROWS, group_shape, shared_decode_attention
 
 ALIGN = 4  # int32 entries: the decode rows start 16 bytes aligned inside the step's plan tensor
 # Query rows per prefill tile in a batch-invariant step, whatever the chunks: the tile the default picks for all
@@ -54,6 +58,11 @@ class TritonPlan:
     fresh: FreshChunks | None = None
     kept_tiles: int = 0
     prefill_launch: tuple[int, int, int] | None = None  # (block_n, num_warps, num_stages) from the Hopper table
+    # The decodes grouped by shared prefix (`shared_prefix.DecodeGroups` on the device, planned from the host
+    # tables or the padded decode's fixed slots; None: no two decodes share a block, and they launch as before),
+    # and the depth of the group programs' grid.
+    decode_groups: DecodeGroups | None = None
+    prefix_segments: int = 1
 
 
 class TritonOps:
@@ -72,14 +81,20 @@ class TritonOps:
     a decode, in any chunk, or after a preemption recomputes it as a prefill. It costs decodes the GQA sharing
     (each query head reads its KV head on its own) and 63 idle rows per tile; the MoE and LoRA kernels keep
     fixed tiles too; no chunk goes to flash attention, whose tiling follows its shapes.
+
+    Decodes that share full blocks (a system prompt) are grouped on the host from `meta.block_tables_host`, or
+    come grouped in `meta.decode_groups` (the padded decode's fixed buffers): each group's shared KV is read
+    once for all its members (shared_decode.py), each decode's own blocks as before. Not under a sliding window
+    (such a layer launches the plain decode), and not with `batch_invariant`.
     """
 
     graph_safe_decode = True  # decode grids depend only on the batch size and the planned longest context
 
     def __init__(self, block_m: int | None = None, block_n: int | None = None,
                  decode_min_segment: int = 256, decode_target_programs: int | None = None,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, shared_rows: int = SHARED_ROWS) -> None:
         self.batch_invariant = batch_invariant
+        self.shared_rows = shared_rows  # query-matrix rows of a shared-prefix group program
         self.block_m = block_m or (INVARIANT_BLOCK_M if batch_invariant else None)
         self.block_n = block_n
         self.decode_min_segment = decode_min_segment
@@ -138,7 +153,14 @@ class TritonOps:
                 query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables, tile_map,
                 scale, plan.block_m, prefill_n, num_warps, num_stages, window, self.batch_invariant,
             )
-        if plan.num_decodes:
+        if plan.num_decodes and plan.decode_groups is not None and window is None:
+            groups = plan.decode_groups
+            shared_decode_attention(
+                query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables, plan.decode_rows,
+                groups.groups, groups.members, groups.shared_lens, scale, plan.prefix_segments, plan.num_segments,
+                self.decode_min_segment, block_n, self.shared_rows,
+            )
+        elif plan.num_decodes:
             decode_attention(
                 query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables, plan.decode_rows,
                 scale, plan.num_segments, self.decode_min_segment, block_n, num_warps=4, num_stages=2,
@@ -146,11 +168,20 @@ class TritonOps:
             )
         return out
 
+    def group_decodes(self, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int, heads_per_kv: int
+                      ) -> DecodeGroups | None:
+        """A decode-only step's groups (`Ops.group_decodes`), as the shared-prefix decode reads them."""
+        if self.batch_invariant:
+            return None
+        members, _ = group_shape(heads_per_kv, self.shared_rows)
+        return shared_prefix.group_decodes(seq_lens, block_tables, np.arange(len(seq_lens)), block_size, members)
+
     def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
              ) -> AttentionMetadata:
         """`meta` with the step's launches attached, built before the first layer with one host-to-device copy.
 
-        A decode-only step copies nothing, so a CUDA graph can capture it."""
+        A decode-only step copies nothing unless its decodes form groups, so a CUDA graph can capture it (the
+        padded decode brings its groups in its own buffers)."""
         num_kv_heads, device = k_cache.shape[2], k_cache.device
         query_lens = np.asarray(meta.query_lens_host)
         seq_lens = np.asarray(meta.seq_lens_host)
@@ -164,25 +195,58 @@ class TritonOps:
         tiled = kept if len(kept) else chunks  # the chunks the prefill kernel runs in most layers
         block_m, launch = self._choose_tiles(query_lens[tiled], seq_lens[tiled], k_cache, dtype)
         num_segments = self._decode_segments(seq_lens[decodes], num_kv_heads, device) if len(decodes) else 1
+        host_groups = None
+        if len(decodes) and meta.decode_groups is None and meta.block_tables_host is not None:
+            members, _ = group_shape(num_q_heads // num_kv_heads, self.shared_rows)
+            host_groups = shared_prefix.group_decodes(seq_lens[decodes], meta.block_tables_host[decodes], decodes,
+                                                      k_cache.shape[1], members)
         tile_map = decode_rows = fresh_chunks = None
         kept_tiles = 0
+        decode_groups = meta.decode_groups if len(decodes) == len(query_lens) else None
+        parts: dict[str, np.ndarray] = {}
         if len(chunks):
             tiles = _tile_map(query_lens[kept], seq_lens[kept], kept, block_m)
             kept_tiles = len(tiles)
             tiles = np.concatenate([tiles, _tile_map(query_lens[fresh], seq_lens[fresh], fresh, block_m)])
-            bounds, rows, first_row = fresh_layout(query_lens, fresh) if len(fresh) else ([], None, 0)
-            parts = [tiles.ravel(), decodes, bounds, [] if rows is None else rows]
-            offsets = np.cumsum([0] + [triton.cdiv(len(part), ALIGN) * ALIGN for part in parts])
-            staged = self._stage(parts, offsets[:-1].tolist(), int(offsets[-1]), device)
-            tile_map = staged[: tiles.size].view(-1, 2)
-            decode_rows = staged[offsets[1] : offsets[1] + len(decodes)] if len(decodes) else None
+            parts["tiles"] = tiles.ravel()
+            parts["decodes"] = decodes
             if len(fresh):
-                fresh_chunks = FreshChunks(
-                    bounds.tolist(), staged[offsets[2] : offsets[2] + len(bounds)],
-                    None if rows is None else staged[offsets[3] : offsets[3] + len(rows)], first_row,
-                    int(query_lens[fresh].max()))
+                bounds, rows, first_row = fresh_layout(query_lens, fresh)
+                parts["bounds"] = bounds
+                if rows is not None:
+                    parts["rows"] = rows
+        if host_groups is not None:
+            parts |= {"groups": host_groups.groups.ravel(), "members": host_groups.members,
+                      "shared_lens": host_groups.shared_lens}
+        if parts:
+            staged = self._stage_parts(parts, device)
+            tile_map = staged["tiles"].view(-1, 2) if len(chunks) else None
+            decode_rows = staged["decodes"] if len(chunks) and len(decodes) else None
+            if len(fresh):
+                fresh_chunks = FreshChunks(bounds.tolist(), staged["bounds"], staged.get("rows"), first_row,
+                                           int(query_lens[fresh].max()))
+            if host_groups is not None:
+                decode_groups = DecodeGroups(staged["groups"].view(-1, 4), staged["members"], staged["shared_lens"])
+        prefix_segments = 1
+        if host_groups is not None:
+            prefix_segments = self._prefix_segments(int(host_groups.groups[:, 2].max()), len(host_groups.groups),
+                                                    num_kv_heads, device)
+        elif decode_groups is not None:  # fixed slots, mostly empty: as many groups as full sub-groups make
+            members, _ = group_shape(num_q_heads // num_kv_heads, self.shared_rows)
+            expected = min(decode_groups.groups.shape[0], triton.cdiv(len(decodes), members))
+            prefix_segments = self._prefix_segments(int(seq_lens.max()), expected, num_kv_heads, device)
         return meta.with_plan(TritonPlan(tile_map, decode_rows, len(decodes), block_m, num_segments, fresh_chunks,
-                                         kept_tiles, launch))
+                                         kept_tiles, launch, decode_groups, prefix_segments))
+
+    def _stage_parts(self, parts: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+        """`_stage` of named parts, each starting 16 bytes aligned (so no alignment depends on another's size)."""
+        offsets, size = [], 0
+        for part in parts.values():
+            offsets.append(size)
+            size += triton.cdiv(len(part), ALIGN) * ALIGN
+        staged = self._stage(list(parts.values()), offsets, size, device)
+        return {name: staged[offset : offset + len(part)]
+                for (name, part), offset in zip(parts.items(), offsets, strict=True)}
 
     def _invariant_plan(self, query_lens: np.ndarray, seq_lens: np.ndarray, device: torch.device) -> TritonPlan:
         """Every sequence tiled for the prefill kernel, decodes included. A decode-only step's tiles, one per
@@ -247,6 +311,15 @@ class TritonOps:
     def decode_segments(self, meta: AttentionMetadata, num_kv_heads: int) -> int:
         """Grid depth of a decode-only launch of `meta` (the benchmark reports it)."""
         return self._decode_segments(np.asarray(meta.seq_lens_host), num_kv_heads, meta.seq_lens.device)
+
+    def _prefix_segments(self, longest_shared: int, num_group_slots: int, num_kv_heads: int, device: torch.device
+                         ) -> int:
+        """Segments of the group programs' grid: as for `_decode_segments`, shared prefixes split only until
+        the grid fills the device, each group splitting its own prefix on the device within it."""
+        target = self.decode_target_programs or _default_target_programs(device)
+        wanted = triton.cdiv(target, max(1, num_group_slots) * num_kv_heads)
+        most = min(MAX_PREFIX_SEGMENTS, triton.cdiv(longest_shared, self.decode_min_segment))
+        return max(1, min(wanted, most))
 
     def _decode_segments(self, seq_lens: np.ndarray, num_kv_heads: int, device: torch.device) -> int:
         """Segments in the decode grid: contexts are split only until the grid fills the device, into
