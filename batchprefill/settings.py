@@ -19,6 +19,7 @@ from batchprefill.engine.config import EngineSettings
 from batchprefill.errors import JobError
 from batchprefill.io.columns import Columns
 from batchprefill.io.formats import FORMATS, input_format
+from batchprefill.model.quantization import QUANTIZATIONS
 from batchprefill.pooling_params import POOLINGS, PoolingParams
 from batchprefill.sampling_params import SamplingParams
 from batchprefill.tasks import Task, get_task
@@ -52,6 +53,7 @@ class ModelSettings:
     dtype: str  # auto | float32 | bfloat16 | float16
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> its PEFT folder
     pooling: PoolingParams = PoolingParams()  # model.pooling and model.normalize (task=embed)
+    quantization: str | None = None  # null: as the checkpoint says; fp8: a 16-bit checkpoint's linears in FP8
 
 
 @dataclass(frozen=True)
@@ -145,9 +147,12 @@ def _model(cfg: DictConfig) -> ModelSettings:
                  "(+model.adapters.NAME=/path/to/adapter)")
     pooling = str(m.get("pooling", "last"))
     _require(pooling in POOLINGS, f"model.pooling={pooling!r}: choose {' or '.join(POOLINGS)}")
+    quantization = m.get("quantization")
+    _require(quantization in (None, *QUANTIZATIONS),
+             f"model.quantization={quantization!r}: choose null (as the checkpoint says) or {', '.join(QUANTIZATIONS)}")
     return ModelSettings(name=str(m.name), path=m.path, dtype=str(m.dtype),
                          adapters={str(name): str(folder) for name, folder in adapters.items()},
-                         pooling=PoolingParams(pooling, bool(m.get("normalize", True))))
+                         pooling=PoolingParams(pooling, bool(m.get("normalize", True))), quantization=quantization)
 
 
 def _engine(cfg: DictConfig) -> EngineSettings:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batchprefill.model.quantization import Quantization
+
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
@@ -47,6 +49,7 @@ class ModelConfig:
     # states only) or "score" (sequence classification, `num_labels` outputs).
     head: str = "lm"
     num_labels: int = 0
+    quantization: Quantization | None = None  # the checkpoint's (model/quantization.py); None: 16- or 32-bit
 
     def window(self, layer: int) -> int | None:
         """The sliding window of one layer: its queries see their last `window` positions, themselves included."""

@@ -18,7 +18,14 @@ from batchprefill.malloc import keep_freed_memory
 from batchprefill.model.adapters import adapter_identity, load_adapters
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.families.base import GatedMLP
-from batchprefill.model.loader import LoadedModel, load_model, make_ops, resolve_device, resolve_dtype
+from batchprefill.model.loader import (
+    LoadedModel,
+    load_model,
+    make_ops,
+    quantization_choice,
+    resolve_device,
+    resolve_dtype,
+)
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.prepare import ModelFiles, Prepared
 from batchprefill.settings import JobSettings
@@ -71,7 +78,7 @@ def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
     dtype = resolve_dtype(job.model.dtype, device)
     kv_dtype = dtype if settings.kv_cache_dtype == "auto" else resolve_dtype(settings.kv_cache_dtype, device)
     ops = make_ops(settings.attention_backend, device, settings.batch_invariant)
-    loaded = load_model(files.folder, dtype, device, ops, files.config, files.identity)
+    loaded = load_model(files.folder, dtype, device, ops, files.config, files.identity, job.model.quantization)
     adapter_scope = attach_job_adapters(job, loaded, files.config, dtype, device)
     return JobModel(loaded, files, device, dtype, kv_dtype, ops.graph_safe_decode, adapter_scope)
 
@@ -98,6 +105,9 @@ def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tok
     num_blocks = pool_blocks(model_config, kv_dtype, device, settings.block_size, settings.max_num_seqs,
                              settings.kv_cache_tokens, tokens_needed)
     config = EngineConfig(settings, num_blocks, padded_decode="graphs" if graphs else "off")
+    # The quantization is part of the scope: model.quantization=fp8 loads the same folder (the same identity) with
+    # other weights, and FP8 products give other KV than the dequantized weights'.
     scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
-             model_config.layer_windows, settings.block_size, model.adapter_scope)
+             model_config.layer_windows, settings.block_size, model.adapter_scope,
+             quantization_choice(loaded.quantization, dtype, device))
     return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured)
