@@ -77,6 +77,7 @@ class JobSettings:
     output: OutputSettings
     plan_link_gbps: float
     task: str = "generate"  # a name in tasks.TASKS
+    plan_device_memory_gb: float | None = None  # the device's memory for the plan's fit; None: the visible one's
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> JobSettings:
@@ -85,7 +86,8 @@ class JobSettings:
         sampling = _sampling(cfg)
         task.check(sampling)
         return cls(data=_data(cfg, task), model=_model(cfg), engine=_engine(cfg), sampling=sampling,
-                   output=_output(cfg), plan_link_gbps=_link_gbps(cfg), task=name)
+                   output=_output(cfg), plan_link_gbps=_link_gbps(cfg), task=name,
+                   plan_device_memory_gb=_device_memory_gb(cfg))
 
 
 def _require(ok: bool, message: str) -> None:
@@ -203,6 +205,12 @@ def _output(cfg: DictConfig) -> OutputSettings:
                           commit_every_rows=int(o.commit_every_rows),
                           commit_every_seconds=float(o.commit_every_seconds), progress=bool(o.progress),
                           plot=bool(o.plot), lease_seconds=float(o.lease_seconds))
+
+
+def _device_memory_gb(cfg: DictConfig) -> float | None:
+    memory = cfg.plan.get("device_memory_gb")
+    _require(memory is None or memory > 0, f"plan.device_memory_gb={memory}: must be null or > 0")
+    return None if memory is None else float(memory)
 
 
 def _link_gbps(cfg: DictConfig) -> float:
