@@ -268,3 +268,20 @@ def test_an_fp8_linear_equals_the_dequantized_product_of_its_per_token_quantized
     assert ((out.float() - want).abs().amax(dim=1) / want.abs().amax(dim=1)).max().item() < 0.01
     exact = x.float() @ weight.dequantize(torch.float32).T + bias.float()
     assert ((out.float() - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 0.05
+
+
+def test_the_triton_row_quantizer_equals_torchs_cast_bit_for_bit_where_rounding_crosses_a_power_of_two():
+    """Values that round up into the next power of two (124.6 -> 128, 7.81 -> 8), subnormals, signed zeros, a
+    zero row, rows wider than one 4,096-wide tile and a strided view: the same FP8 bytes and scales as torch."""
+    from batchprefill.kernels.triton.fp8 import quantize_rows_triton
+
+    torch.manual_seed(3)
+    x = torch.randn(4, 5000) * 3
+    x[0, :8] = torch.tensor([124.6 / 448 * 3136, 0.0, -1e-6, 3136.0, 1e-3, -2.5, 7.81 / 448 * 3136, -0.0])
+    x[3] = 0.0
+    for rows in (x, x.to(torch.bfloat16), x[:, ::2]):
+        values, scales = quantize_rows_triton(rows)
+        want_values, want_scales = quantize_rows(rows)
+        assert torch.equal(scales, want_scales)
+        assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert quantize_rows(x)[0][0, 0].item() == 128.0 and quantize_rows(x)[0][0, 6].item() == 8.0

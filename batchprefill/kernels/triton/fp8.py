@@ -18,14 +18,13 @@ import triton
 import triton.language as tl
 
 from batchprefill.kernels.fp8 import FP8, FP8_MAX, MIN_AMAX
-from batchprefill.kernels.triton.attention import jit_unspecialized
 
 # Adding then subtracting 1.5 x 2^23 rounds a float32 of magnitude below 2^22 to an integer, ties to even.
 ROUNDING_MAGIC = 12582912.0
 
 
-@jit_unspecialized("M")
-def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_xk, stride_om,
+@triton.jit
+def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_xm, stride_xk, stride_om,
                           FP8_LIMIT: tl.constexpr, MIN_MAX: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -33,7 +32,7 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_xk,
         ks = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_xm + ks * stride_xk, mask=ks < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), MIN_MAX) / FP8_LIMIT
+    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_MAX), FP8_LIMIT)
     for k0 in range(0, K, BLOCK):
         ks = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_xm + ks * stride_xk, mask=ks < K, other=0.0).to(tl.float32)
@@ -45,7 +44,8 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_xm, stride_xk,
         spacing = ((spacing_exponent + 127) << 23).to(tl.float32, bitcast=True)
         per_spacing = ((127 - spacing_exponent) << 23).to(tl.float32, bitcast=True)  # 1 / spacing, exactly
         rounded = ((magnitude * per_spacing + ROUNDING_MAGIC) - ROUNDING_MAGIC) * spacing
-        rounded = tl.where(y < 0, -rounded, rounded)  # signed, so -1e-6 becomes -0 as torch's cast makes it
+        negative = y.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 and -1e-6 stay -0 as torch's cast keeps them
+        rounded = tl.where(negative, -rounded, rounded)
         tl.store(out_ptr + row * stride_om + ks, rounded.to(tl.float8e4nv), mask=ks < K)
     tl.store(scale_ptr + row, scale)
 
@@ -57,6 +57,6 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
         block = min(triton.next_power_of_2(width), 4096)
-        _quantize_rows_kernel[(rows,)](x, out, scale, rows, width, x.stride(0), x.stride(1), out.stride(0),
+        _quantize_rows_kernel[(rows,)](x, out, scale, width, x.stride(0), x.stride(1), out.stride(0),
                                        FP8_LIMIT=FP8_MAX, MIN_MAX=MIN_AMAX, BLOCK=block)
     return out, scale
