@@ -9,6 +9,7 @@ arithmetic, held to 1e-3 in the logits.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import sys
@@ -285,3 +286,28 @@ def test_the_triton_row_quantizer_equals_torchs_cast_bit_for_bit_where_rounding_
         assert torch.equal(scales, want_scales)
         assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
     assert quantize_rows(x)[0][0, 0].item() == 128.0 and quantize_rows(x)[0][0, 6].item() == 8.0
+
+
+def test_a_job_with_model_quantization_fp8_runs_the_quantized_weights_and_says_so(fp8_folder, tmp_path):
+    """Through the command line: every row's first token is the argmax of the model quantized at load (in this
+    process), and the summary names the quantization; `model.quantization=int4` is one line naming the choices."""
+    _, reference = fp8_folder("block-wise")
+    folder = tmp_path / "bf16"
+    copy.deepcopy(reference).to(torch.bfloat16).save_pretrained(folder)  # a bfloat16 checkpoint
+    shutil.copy(fp8_folder("block-wise")[0] / "tokenizer.json", folder / "tokenizer.json")
+    prompts = ["The capital of France is", "Name three colors:", "Bees make"]
+    pq.write_table(pa.table({"id": list(range(3)), "prompt": prompts}), tmp_path / "in.parquet")
+    common = ["model=hf", f"model.path={folder}", f"data.input={tmp_path / 'in.parquet'}", "engine.device=cpu",
+              "model.dtype=float32", "sampling.max_tokens=1", "output.progress=false", "output.plot=false"]
+    done = run_cli([sys.executable, "-m", "batchprefill.run", *common, "model.quantization=fp8",
+                    f"output.dir={tmp_path / 'out'}"])
+    assert done.returncode == 0, done.stderr
+    assert "float32 (model.dtype=float32), FP8 weights (fp8 at load, per channel), dequantized at load" in done.stderr
+    quantized = load_model(folder, torch.float32, torch.device("cpu"), TorchOps(), quantize="fp8").model
+    rows = sorted(pq.read_table(tmp_path / "out" / "results").to_pylist(), key=lambda r: r["id"])
+    for row, prompt in zip(rows, PromptTokenizer(folder).encode_batch(prompts), strict=True):
+        assert row["output_token_ids"] == [prefill_logits(quantized, prompt, chunk=len(prompt))[-1].argmax().item()]
+    refused = run_cli([sys.executable, "-m", "batchprefill.run", *common, "model.quantization=int4",
+                       f"output.dir={tmp_path / 'refused'}"])
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "model.quantization='int4'" in lines[0], refused.stderr
