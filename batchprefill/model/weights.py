@@ -17,9 +17,12 @@ from batchprefill.model.quantization import DENSE_LINEAR, Quantization
 
 INDEX = "model.safetensors.index.json"
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-# What FP8 checkpoints store beside a weight: its scale (`_inv` in the block-wise fp8 format) and, for static
-# activation scales (refused when the config is read), the input's.
+# Where an FP8 checkpoint keeps the scale of `X.weight`: `X.weight_scale_inv` (the block-wise fp8 format) or
+# `X.weight_scale` (compressed-tensors, per-tensor fp8).
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
+# Scales read beside their weights, never as weights of their own (`input_scale`: static activation scales, which
+# the config check refuses before any tensor is read).
+SCALES = ("weight_scale", "weight_scale_inv", "input_scale")
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -51,7 +54,7 @@ def load_weights(folder: Path, dtype: torch.dtype, device: torch.device, quantiz
             handles.update(dict.fromkeys(handle.keys(), handle))
         weights = {}
         for name, handle in handles.items():
-            if quantization is not None and name.endswith(("weight_scale", "weight_scale_inv", "input_scale")):
+            if quantization is not None and name.endswith(SCALES):
                 continue
             tensor = handle.get_tensor(name)
             if tensor.dtype in FLOAT8:
