@@ -19,6 +19,7 @@ from batchprefill.engine.config import EngineSettings
 from batchprefill.errors import JobError
 from batchprefill.io.columns import Columns
 from batchprefill.io.formats import FORMATS, input_format
+from batchprefill.model.quantization import QUANTIZATIONS
 from batchprefill.pooling_params import POOLINGS, PoolingParams
 from batchprefill.sampling_params import SamplingParams
 from batchprefill.tasks import Task, get_task
@@ -52,6 +53,7 @@ class ModelSettings:
     dtype: str  # auto | float32 | bfloat16 | float16
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> its PEFT folder
     pooling: PoolingParams = PoolingParams()  # model.pooling and model.normalize (task=embed)
+    quantization: str | None = None  # null: as the checkpoint says; fp8: a 16-bit checkpoint's linears in FP8
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class JobSettings:
     output: OutputSettings
     plan_link_gbps: float
     task: str = "generate"  # a name in tasks.TASKS
+    plan_device_memory_gb: float | None = None  # the device's memory for the plan's fit; None: the visible one's
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> JobSettings:
@@ -83,7 +86,8 @@ class JobSettings:
         sampling = _sampling(cfg)
         task.check(sampling)
         return cls(data=_data(cfg, task), model=_model(cfg), engine=_engine(cfg), sampling=sampling,
-                   output=_output(cfg), plan_link_gbps=_link_gbps(cfg), task=name)
+                   output=_output(cfg), plan_link_gbps=_link_gbps(cfg), task=name,
+                   plan_device_memory_gb=_device_memory_gb(cfg))
 
 
 def _require(ok: bool, message: str) -> None:
@@ -145,9 +149,12 @@ def _model(cfg: DictConfig) -> ModelSettings:
                  "(+model.adapters.NAME=/path/to/adapter)")
     pooling = str(m.get("pooling", "last"))
     _require(pooling in POOLINGS, f"model.pooling={pooling!r}: choose {' or '.join(POOLINGS)}")
+    quantization = m.get("quantization")
+    _require(quantization in (None, *QUANTIZATIONS),
+             f"model.quantization={quantization!r}: choose null (as the checkpoint says) or {', '.join(QUANTIZATIONS)}")
     return ModelSettings(name=str(m.name), path=m.path, dtype=str(m.dtype),
                          adapters={str(name): str(folder) for name, folder in adapters.items()},
-                         pooling=PoolingParams(pooling, bool(m.get("normalize", True))))
+                         pooling=PoolingParams(pooling, bool(m.get("normalize", True))), quantization=quantization)
 
 
 def _engine(cfg: DictConfig) -> EngineSettings:
@@ -198,6 +205,12 @@ def _output(cfg: DictConfig) -> OutputSettings:
                           commit_every_rows=int(o.commit_every_rows),
                           commit_every_seconds=float(o.commit_every_seconds), progress=bool(o.progress),
                           plot=bool(o.plot), lease_seconds=float(o.lease_seconds))
+
+
+def _device_memory_gb(cfg: DictConfig) -> float | None:
+    memory = cfg.plan.get("device_memory_gb")
+    _require(memory is None or memory > 0, f"plan.device_memory_gb={memory}: must be null or > 0")
+    return None if memory is None else float(memory)
 
 
 def _link_gbps(cfg: DictConfig) -> float:

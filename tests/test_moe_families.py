@@ -62,9 +62,11 @@ def save_tiny_moe(kind: str, folder, model_folder) -> transformers.PreTrainedMod
 
 def test_qwen3_moe_config_keeps_mlp_only_and_off_step_layers_dense_and_counts_active_parameters(tmp_path,
                                                                                                  model_folder):
-    save_tiny_moe("qwen3_moe", tmp_path, model_folder)
+    reference = save_tiny_moe("qwen3_moe", tmp_path, model_folder)
     config = read_config(tmp_path)
     assert config.sparse_layers == (False, True, False, True)
+    stored = sum(p.numel() for name, p in reference.named_parameters() if "norm" not in name)
+    assert config.dense_linear_parameters() + config.other_parameters() == stored  # every expert, as the plan counts
     assert (config.num_experts, config.experts_per_token, config.normalize_topk) == (8, 2, True)
     attention = 64 * (64 + 2 * 32) + 64 * 64
     dense, sparse = 3 * 64 * 96, 64 * 8 + 2 * 3 * 64 * 32  # a sparse layer: router + two active experts

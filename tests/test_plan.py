@@ -16,7 +16,15 @@ import pytest
 from batchprefill.io.columns import ERROR, NAMESPACE, ROW, TOKENS
 from batchprefill.model.config import kv_bytes_per_token
 from batchprefill.model.families import read_config
-from batchprefill.pipeline.plan import PLAN_SCHEMA, Tally, attention_pairs, prefill_flops, transfer_seconds
+from batchprefill.pipeline.plan import (
+    PLAN_SCHEMA,
+    MemoryFit,
+    Tally,
+    attention_pairs,
+    prefill_flops,
+    transfer_seconds,
+    weight_bytes,
+)
 from batchprefill.report.summary import print_plan_summary
 from batchprefill.units import readable_bytes
 from tests.conftest import run_cli
@@ -185,3 +193,55 @@ def test_missing_input_is_one_line_naming_data_input(tmp_path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "data.input" in lines[0], result.stderr
     assert not (tmp_path / "out" / "plan.parquet").exists()
+
+
+# Llama-3.1-70B's config.json shapes (no weights: the plan reads the config and the tokenizer only).
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
+             "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+             "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+# 80 x (8192 x (8192 + 2 x 1024) + 8192 x 8192 + 3 x 8192 x 28672) dense linear parameters; the embedding and
+# the untied LM head 2 x 128,256 x 8192.
+LLAMA_70B_LINEARS, LLAMA_70B_OTHERS = 68_451_041_280, 2_101_346_304
+
+
+def test_llama_3_1_70b_fits_one_141_gb_card_in_fp8_with_an_8k_token_pool_but_not_in_bfloat16(tmp_path) -> None:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    model = read_config(tmp_path)
+    assert (model.dense_linear_parameters(), model.other_parameters()) == (LLAMA_70B_LINEARS, LLAMA_70B_OTHERS)
+    pool = 8192 * model.kv_bytes_per_token(2)  # 8,192 tokens x 320 KiB in bfloat16
+    fp8 = MemoryFit(weight_bytes(model, 2, fp8_linears=True), pool, 141 * 10**9, 0.8, "FP8 linears")
+    bf16 = MemoryFit(weight_bytes(model, 2, fp8_linears=False), pool, 141 * 10**9, 0.8, "bfloat16")
+    assert fp8.weight_bytes == LLAMA_70B_LINEARS + 2 * LLAMA_70B_OTHERS == 72_653_733_888  # "about 70 GB"
+    assert bf16.weight_bytes == 2 * (LLAMA_70B_LINEARS + LLAMA_70B_OTHERS) == 141_104_775_168  # more than the card
+    assert fp8.fits is True and bf16.fits is False
+    assert MemoryFit(fp8.weight_bytes, pool, None, 0.8, "FP8 linears").fits is None
+
+
+def test_the_plan_of_a_70b_fp8_gpu_job_says_it_fits_a_141_gb_card_from_the_config_alone(tmp_path, model_folder,
+                                                                                         tokenizer):
+    """engine.device=cuda is taken at its word here (no GPU): the folder holds config.json and a tokenizer. The
+    least pool holds the longest prompt and its 100 answer tokens, in whole 16-token blocks of 320 KiB a token."""
+    import json
+    import shutil
+
+    folder = tmp_path / "llama-70b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_70B))
+    shutil.copy(model_folder / "tokenizer.json", folder / "tokenizer.json")
+    pq.write_table(pa.table({"prompt": _prompts()[:4]}), tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    result = run_cli(["batchprefill-plan", "model=hf", f"model.path={folder}", "model.quantization=fp8",
+                      "model.dtype=bfloat16", "engine.device=cuda", "plan.device_memory_gb=141",
+                      "sampling.max_tokens=100", f"data.input={tmp_path / 'in.parquet'}", f"output.dir={out}",
+                      "output.progress=false"], timeout=120)
+    assert result.returncode == 0, result.stderr
+    row = pq.read_table(out / "plan.parquet").to_pylist()[0]
+    assert row["weight_bytes"] == 72_653_733_888 and row["device_memory_bytes"] == 141 * 10**9
+    assert row["fits_device"] is True
+    longest = max(len(ids) for ids in tokenizer.encode_batch(_prompts()[:4]))
+    assert row["min_pool_bytes"] == -(-(longest + 100) // 16) * 16 * 327_680
+    assert "67.7 GiB of weights (FP8 linears, bfloat16 otherwise)" in result.stdout
+    assert "on a 131 GiB device: fits" in result.stdout

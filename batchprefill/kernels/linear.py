@@ -4,7 +4,8 @@ On a CPU, `F.linear` hands the plain `[out, in]` weight to the BLAS, which re-pa
 layout on every call. oneDNN can take the weight already reordered: on this model's shapes that is 1.1-1.2x
 faster for prefill steps, 1.2-1.8x for decode batches and 1.9-2.8x for the LM head (BENCHMARKS.md, "The CPU
 path's hot ops against plain torch").
-GPUs, and dtypes oneDNN does not take natively, keep `F.linear`.
+GPUs, and dtypes oneDNN does not take natively, keep `F.linear`. A weight held in FP8 (`kernels/fp8.py`, on a GPU
+only) multiplies in FP8.
 
 Batch invariance (`engine.batch_invariant`): a row's product must not depend on how many rows share the call.
 The libraries choose their kernels, and with them the order of the inner sums, from the shape: measured on an
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from batchprefill.intmath import cdiv
+from batchprefill.kernels.fp8 import Fp8Weight, fp8_linear
 
 # Rows per slice of an invariant CPU linear. The measured cost against one call over all rows is in
 # BENCHMARKS.md ("Batch invariance"); 128 was the cheapest of 32, 64, 128 and 256 over decode batches of 80 and
@@ -78,20 +80,23 @@ def in_fixed_slices(multiply: Callable[[torch.Tensor], torch.Tensor], x: torch.T
 
 class Linear:
     """`y = x @ weight.T + bias`, with the weight prepacked where the device allows it; batch-invariant when
-    built inside `batch_invariant_linears(True)` (or with `batch_invariant=True`)."""
+    built inside `batch_invariant_linears(True)` (or with `batch_invariant=True`). An `Fp8Weight` multiplies in
+    FP8; batch-invariant, it runs in fixed slices as the CPU does, since `_scaled_mm` too picks its kernel by shape
+    (the per-row activation scales depend on each row alone)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_invariant: bool | None = None):
+    def __init__(self, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
+                 batch_invariant: bool | None = None):
         self.bias = bias
-        self.packed = onednn_packs(weight)
+        self.packed = isinstance(weight, torch.Tensor) and onednn_packs(weight)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if self.packed else weight
         self.batch_invariant = building_batch_invariant() if batch_invariant is None else batch_invariant
         self._forward = self._pick()
 
     def _pick(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        plain = self._packed if self.packed else self._plain
+        plain = self._fp8 if isinstance(self.weight, Fp8Weight) else self._packed if self.packed else self._plain
         if not self.batch_invariant:
             return plain
-        if self.weight.device.type == "cuda":
+        if isinstance(self.weight, torch.Tensor) and self.weight.device.type == "cuda":
             from batchprefill.kernels.triton.matmul import invariant_linear  # triton only where it runs
 
             return lambda x: invariant_linear(x, self.weight, self.bias)
@@ -99,6 +104,9 @@ class Linear:
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def _fp8(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias)
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

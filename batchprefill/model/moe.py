@@ -33,7 +33,18 @@ class MoeConfig(ModelConfig):
         dense_mlp = 3 * self.hidden_size * self.intermediate_size
         sparse_mlp = self.hidden_size * (self.num_experts + 3 * self.experts_per_token * self.moe_intermediate_size)
         swapped = sum(sparse_mlp - dense_mlp for sparse in self.sparse_layers if sparse)
-        return super().num_parameters() + swapped
+        every_layer_dense = self.num_layers * (self.attention_parameters() + dense_mlp)
+        return every_layer_dense + self.vocab_size * self.hidden_size + swapped
+
+    def dense_linear_parameters(self) -> int:
+        """Attention everywhere, the gated MLP only in the dense layers."""
+        dense_mlps = (self.num_layers - sum(self.sparse_layers)) * 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * self.attention_parameters() + dense_mlps
+
+    def other_parameters(self) -> int:
+        """Beside the embedding and heads, every expert and router of the sparse layers (all stored, whichever run)."""
+        experts = self.hidden_size * (self.num_experts + 3 * self.num_experts * self.moe_intermediate_size)
+        return super().other_parameters() + sum(self.sparse_layers) * experts
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

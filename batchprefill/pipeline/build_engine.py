@@ -20,7 +20,14 @@ from batchprefill.malloc import keep_freed_memory
 from batchprefill.model.adapters import adapter_identity, load_adapters
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.families.base import GatedMLP
-from batchprefill.model.loader import LoadedModel, load_model, make_ops, resolve_device, resolve_dtype
+from batchprefill.model.loader import (
+    LoadedModel,
+    load_model,
+    make_ops,
+    quantization_choice,
+    resolve_device,
+    resolve_dtype,
+)
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.prepare import ModelFiles, Prepared
 from batchprefill.settings import JobSettings
@@ -76,7 +83,7 @@ def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
     ops = make_ops(settings.attention_backend, device, settings.batch_invariant)
     with device_memory(device, f"model {files.folder} in {str(dtype).removeprefix('torch.')}",
                        "use a GPU with more memory or a smaller model"):
-        loaded = load_model(files.folder, dtype, device, ops, files.config, files.identity)
+        loaded = load_model(files.folder, dtype, device, ops, files.config, files.identity, job.model.quantization)
     adapter_scope = attach_job_adapters(job, loaded, files.config, dtype, device)
     return JobModel(loaded, files, device, dtype, kv_dtype, ops.graph_safe_decode, adapter_scope)
 
@@ -103,8 +110,11 @@ def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tok
     num_blocks = pool_blocks(model_config, kv_dtype, device, settings.block_size, settings.max_num_seqs,
                              settings.kv_cache_tokens, tokens_needed)
     config = EngineConfig(settings, num_blocks, padded_decode="graphs" if graphs else "off")
+    # The quantization is part of the scope: model.quantization=fp8 loads the same folder (the same identity) with
+    # other weights, and FP8 products give other KV than the dequantized weights'.
     scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
-             model_config.layer_windows, settings.block_size, model.adapter_scope)
+             model_config.layer_windows, settings.block_size, model.adapter_scope,
+             quantization_choice(loaded.quantization, dtype, device))
     pool = num_blocks * settings.block_size * model_config.kv_bytes_per_token(torch.finfo(kv_dtype).bits // 8)
     with device_memory(device, f"a KV pool of {readable_bytes(pool)} and the decode graphs",
                        "lower engine.max_num_seqs or engine.kv_cache_tokens, or use a GPU with more memory"):

@@ -29,6 +29,8 @@ from batchprefill.report.summary import print_plan_summary
 from batchprefill.settings import JobSettings
 
 if TYPE_CHECKING:  # pulls in torch, which the entry point loads only after Hydra parsed the command line
+    import torch
+
     from batchprefill.model.config import ModelConfig
 
 BITS_PER_BYTE = 8
@@ -41,6 +43,10 @@ PLAN_SCHEMA = pa.schema([
     ("prefill_flops_without_reuse", pa.float64()), ("kv_bytes_per_token", pa.int64()),
     ("kv_bytes_total", pa.int64()), ("kv_transfer_seconds_mean", pa.float64()),
     ("adapters", pa.int64()),  # LoRA adapters the runnable rows name (the base model not counted)
+    # Memory (memory_fit): the weights in the precision the run would hold them, the least KV pool the job runs
+    # with, the device's memory (null where unknown) and whether both fit it (null where unknown).
+    ("weight_bytes", pa.int64()), ("min_pool_bytes", pa.int64()), ("device_memory_bytes", pa.int64()),
+    ("fits_device", pa.bool_()),
 ])
 
 
@@ -83,6 +89,7 @@ class Tally:
     # never splits prompts that share a block
     depths: Counter = field(default_factory=Counter)
     adapters: set = field(default_factory=set)  # adapter names the runnable rows run with
+    longest_prompt: int = 0
 
     def add_partition(self, table: pa.Table, order: str, block_size: int) -> None:
         """Count one partition in the order a run would take it; error rows never reach the engine."""
@@ -98,28 +105,92 @@ class Tally:
         self.error_rows += table.num_rows - count
         self.requests += count
         self.prompt_tokens += int(lengths.sum())
+        self.longest_prompt = max(self.longest_prompt, int(lengths.max(initial=0)))
         self.group_sizes.update(g.stop - g.start for g in groups(run.token_ids, run.namespaces, block_size))
         self.depths.update(sharing_depths(trie.token_ids, trie.namespaces, block_size).tolist())
         scopes = set(run.namespaces.unique().to_pylist()) if count else set()
         self.adapters.update(s.split(ADAPTER_SCOPE, 1)[1] for s in scopes if ADAPTER_SCOPE in s)
 
 
-def kv_element_bytes(job: JobSettings) -> int:
-    """Bytes per KV element as a run on these settings would store them (auto = the model's dtype).
-
-    `engine.device=cuda` is taken at its word: planning a GPU job on a login node must not need a GPU.
-    """
+def planned_device(job: JobSettings) -> torch.device:
+    """The device a run on these settings would take. `engine.device=cuda` is taken at its word: planning a GPU
+    job on a login node must not need a GPU."""
     import torch
 
-    from batchprefill.model.loader import resolve_device, resolve_dtype
+    from batchprefill.model.loader import resolve_device
 
-    device = torch.device("cuda") if job.engine.device == "cuda" else resolve_device(job.engine.device)
+    return torch.device("cuda") if job.engine.device == "cuda" else resolve_device(job.engine.device)
+
+
+def kv_element_bytes(job: JobSettings) -> int:
+    """Bytes per KV element as a run on these settings would store them (auto = the model's dtype)."""
+    import torch
+
+    from batchprefill.model.loader import resolve_dtype
+
     name = job.engine.kv_cache_dtype if job.engine.kv_cache_dtype != "auto" else job.model.dtype
-    return torch.finfo(resolve_dtype(name, device)).bits // BITS_PER_BYTE
+    return torch.finfo(resolve_dtype(name, planned_device(job))).bits // BITS_PER_BYTE
 
 
-def plan_row(tally: Tally, model: ModelConfig, element_bytes: int, link_gbps: float) -> dict:
-    """The one row of plan.parquet from the tally and the model's shape."""
+@dataclass(frozen=True)
+class MemoryFit:
+    """Whether a model and the least KV pool its job runs with fit one device."""
+
+    weight_bytes: int
+    min_pool_bytes: int
+    device_memory_bytes: int | None  # None: unknown (a GPU job planned where no GPU is visible)
+    pool_fraction: float  # the share of what the weights leave that a run gives its pool (engine/kv_cache.py)
+    precision: str  # how the weights are held: "bfloat16", "FP8 linears, bfloat16 otherwise"
+
+    @property
+    def fits(self) -> bool | None:
+        if self.device_memory_bytes is None:
+            return None
+        return self.min_pool_bytes <= self.pool_fraction * (self.device_memory_bytes - self.weight_bytes)
+
+
+def weight_bytes(model: ModelConfig, element_bytes: int, fp8_linears: bool) -> int:
+    """The weights as a run holds them: the dense linears in one byte each where they multiply in FP8 (their
+    per-channel float32 scales, 4 bytes per output row, are left out), everything else in `element_bytes`."""
+    linear_bytes = 1 if fp8_linears else element_bytes
+    return model.dense_linear_parameters() * linear_bytes + model.other_parameters() * element_bytes
+
+
+def memory_fit(job: JobSettings, model: ModelConfig, longest_prompt: int, kv_bytes: int) -> MemoryFit:
+    """From the config alone: the weights in the job's precision (model.dtype, model.quantization and the
+    checkpoint's own), and a pool for the job's longest request alone (its prompt and answers, in whole blocks)
+    or `engine.kv_cache_tokens`, against `plan.device_memory_gb`, else the visible GPU's (or for a CPU job the
+    host's) memory."""
+    import os
+
+    import torch
+
+    from batchprefill.engine.kv_cache import CPU_KV_MEMORY_FRACTION, GPU_KV_MEMORY_FRACTION
+    from batchprefill.intmath import cdiv
+    from batchprefill.model.loader import fp8_multiplies, resolve_dtype
+    from batchprefill.model.quantization import job_quantization
+    from batchprefill.tasks import get_task
+
+    device = planned_device(job)
+    dtype = resolve_dtype(job.model.dtype, device)
+    fp8 = fp8_multiplies(job_quantization(model.quantization, job.model.quantization), dtype, device)
+    block = job.engine.block_size
+    tokens = job.engine.kv_cache_tokens or cdiv(
+        get_task(job.task).kv_tokens(longest_prompt, job.sampling.max_tokens, job.sampling.n), block) * block
+    if job.plan_device_memory_gb is not None:
+        memory: int | None = int(job.plan_device_memory_gb * 1e9)
+    elif device.type == "cuda":
+        memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fraction = GPU_KV_MEMORY_FRACTION if device.type == "cuda" else CPU_KV_MEMORY_FRACTION
+    name = str(dtype).removeprefix("torch.")
+    return MemoryFit(weight_bytes(model, torch.finfo(dtype).bits // BITS_PER_BYTE, fp8), tokens * kv_bytes, memory,
+                     fraction, f"FP8 linears, {name} otherwise" if fp8 else name)
+
+
+def plan_row(tally: Tally, model: ModelConfig, element_bytes: int, link_gbps: float, memory: MemoryFit) -> dict:
+    """The one row of plan.parquet from the tally, the model's shape and its memory."""
     params, layers = model.num_parameters(), model.num_layers
     per_token = model.kv_bytes_per_token(element_bytes)
     kv_total = tally.prompt_tokens * per_token
@@ -134,6 +205,8 @@ def plan_row(tally: Tally, model: ModelConfig, element_bytes: int, link_gbps: fl
         "kv_bytes_per_token": per_token, "kv_bytes_total": kv_total,
         "kv_transfer_seconds_mean": transfer_seconds(kv_total / tally.requests, link_gbps) if tally.requests else 0.0,
         "adapters": len(tally.adapters),
+        "weight_bytes": memory.weight_bytes, "min_pool_bytes": memory.min_pool_bytes,
+        "device_memory_bytes": memory.device_memory_bytes, "fits_device": memory.fits,
     }
 
 
@@ -146,10 +219,12 @@ def plan_job(job: JobSettings) -> dict:
         if num_rows:  # an empty partition's file holds nothing to count
             table = read_partition(prepared.partitions_dir, part, [TOKENS, ERROR, NAMESPACE, ROW])
             tally.add_partition(table, job.data.order, block_size)
-    row = plan_row(tally, prepared.model.config, kv_element_bytes(job), job.plan_link_gbps)
+    config, element_bytes = prepared.model.config, kv_element_bytes(job)
+    memory = memory_fit(job, config, tally.longest_prompt, config.kv_bytes_per_token(element_bytes))
+    row = plan_row(tally, config, element_bytes, job.plan_link_gbps, memory)
     out = job.output.dir
     write_records([row], out / "plan.parquet", PLAN_SCHEMA)
     draw_plan(row, tally.depths, tally.group_sizes, block_size, out / "plan.png")
-    print_plan_summary(row, job.plan_link_gbps, out)
+    print_plan_summary(row, job.plan_link_gbps, out, memory.precision)
     return row
 

@@ -19,6 +19,7 @@ from batchprefill.io.columns import ROW
 from batchprefill.io.formats import input_format
 from batchprefill.io.results import Outcome, ResultWriter, done_ids
 from batchprefill.model.loader import dtype_choice, resolve_device
+from batchprefill.model.quantization import job_quantization
 from batchprefill.pipeline.build_engine import JobModel, build_engine, engine_on, structured_outputs
 from batchprefill.pipeline.manifest import PARTITION_SCHEMA, partition_path, partition_records, read_partition
 from batchprefill.pipeline.order import assign_shards
@@ -88,7 +89,9 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     if sharding.num_shards == 1:  # shards: the merge finishes the outputs
         input_format(job.data.format).finish_outputs(out, job.model.name, prepared.model.tokenizer.decode_one)
     figure = write_run_figure(stats_folder, "batchprefill") if job.output.plot else None
-    print_run_summary(stats, out, figure, dtype_choice(job.model.dtype, resolve_device(job.engine.device)))
+    quantization = job_quantization(prepared.model.config.quantization, job.model.quantization)
+    precision = dtype_choice(job.model.dtype, resolve_device(job.engine.device), quantization)
+    print_run_summary(stats, out, figure, precision)
     return stats
 
 

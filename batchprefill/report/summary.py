@@ -24,8 +24,9 @@ def print_run_summary(job: dict, out: Path, figure: Path | None, precision: str)
     )
 
 
-def print_plan_summary(row: dict, link_gbps: float, out: Path) -> None:
-    """A handful of lines a person reads before deciding to launch the run."""
+def print_plan_summary(row: dict, link_gbps: float, out: Path, precision: str = "") -> None:
+    """A handful of lines a person reads before deciding to launch the run; `precision`: how the weights are
+    held (pipeline.plan.MemoryFit)."""
     computed, without = row["ideal_computed_tokens"], row["computed_tokens_without_reuse"]
     with_flops, without_flops = row["prefill_flops_with_reuse"], row["prefill_flops_without_reuse"]
     ratio = f"{without / computed:.2f}x fewer" if computed else "nothing to compute"
@@ -40,5 +41,17 @@ def print_plan_summary(row: dict, link_gbps: float, out: Path) -> None:
         f"  KV cache: {row['kv_bytes_per_token']:,} bytes per token, {readable_bytes(row['kv_bytes_total'])} "
         f"for all prompts\n"
         f"  mean KV transfer per request at {link_gbps:g} Gb/s: {row['kv_transfer_seconds_mean'] * 1e3:.3f} ms\n"
-        f"  wrote {out / 'plan.parquet'} and {out / 'plan.png'}"
+        + (f"  {memory_line(row, precision)}\n" if "weight_bytes" in row else "")
+        + f"  wrote {out / 'plan.parquet'} and {out / 'plan.png'}"
     )
+
+
+def memory_line(row: dict, precision: str) -> str:
+    """Whether the weights and the least pool fit the device: "memory: 67.9 GiB of weights (FP8 linears, ...)
+    + a KV pool of at least 2.50 GiB on a 131 GiB device: fits"."""
+    weights, pool, device = row["weight_bytes"], row["min_pool_bytes"], row["device_memory_bytes"]
+    held = f"{readable_bytes(weights)} of weights ({precision}) + a KV pool of at least {readable_bytes(pool)}"
+    if device is None:
+        return f"memory: {held}; the device's memory is unknown here: give plan.device_memory_gb to check the fit"
+    verdict = "fits" if row["fits_device"] else "does NOT fit: choose a smaller precision or a larger device"
+    return f"memory: {held} on a {readable_bytes(device)} device: {verdict}"

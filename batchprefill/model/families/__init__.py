@@ -13,6 +13,7 @@ from batchprefill.model import heads
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.families import gemma3, llama, mistral, mixtral, phi3, qwen3, qwen3_moe
 from batchprefill.model.families.base import Family
+from batchprefill.model.quantization import read_quantization
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, mistral.FAMILY, gemma3.FAMILY, phi3.FAMILY,
                                 qwen3_moe.FAMILY, mixtral.FAMILY)
@@ -32,12 +33,13 @@ def family_for(architecture: str) -> Family:
 
 
 def read_config(folder: Path) -> ModelConfig:
-    """The ModelConfig of an HF folder, parsed by its family's causal LM, with the folder's head (model/heads.py);
-    a file with no `architectures` is Llama."""
+    """The ModelConfig of an HF folder, parsed by its family's causal LM, with the folder's head (model/heads.py)
+    and quantization (model/quantization.py); a file with no `architectures` is Llama."""
     raw = json.loads((Path(folder) / "config.json").read_text())
     architecture, head = heads.split_architecture((raw.get("architectures") or ["LlamaForCausalLM"])[0],
                                                   ARCHITECTURES)
     if "text_config" in raw:  # Gemma3ForSequenceClassification wraps the multimodal model
         raise ValueError(f"{raw['architectures'][0]} is a multimodal model; only text models are supported")
     config = family_for(architecture).config(raw, architecture)
-    return replace(config, head=head, num_labels=heads.num_labels(raw) if head == heads.SCORE else 0)
+    return replace(config, head=head, num_labels=heads.num_labels(raw) if head == heads.SCORE else 0,
+                   quantization=read_quantization(raw))

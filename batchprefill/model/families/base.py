@@ -15,12 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from batchprefill.kernels.fp8 import Fp8Weight, concat_weights
 from batchprefill.kernels.interface import Ops
 from batchprefill.kernels.linear import Linear
 from batchprefill.kernels.lora import LoraHook
 from batchprefill.model.config import ModelConfig
 
-Weights = dict[str, torch.Tensor]
+# Name -> tensor; a dense layer's linear weight may be an Fp8Weight on a GPU (model/quantization.py).
+Weights = dict[str, torch.Tensor | Fp8Weight]
 MLP = Callable[[torch.Tensor, Ops], torch.Tensor]
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' names (ACT2FN)
@@ -89,15 +91,16 @@ def norm(weights: Weights, name: str, config: ModelConfig) -> torch.Tensor:
 
 
 def separate_qkv(weights: Weights, prefix: str, config: ModelConfig) -> Linear:
-    """q_proj, k_proj and v_proj (with biases where the config has them) fused into one linear."""
+    """q_proj, k_proj and v_proj (with biases where the config has them) fused into one linear; FP8 weights keep
+    each row's scale."""
     attn = prefix + "self_attn."
     bias = torch.cat([weights[attn + f"{p}_proj.bias"] for p in "qkv"]) if config.qkv_bias else None
-    return Linear(torch.cat([weights[attn + f"{p}_proj.weight"] for p in "qkv"]), bias)
+    return Linear(concat_weights([weights[attn + f"{p}_proj.weight"] for p in "qkv"]), bias)
 
 
 def separate_gate_up(weights: Weights, prefix: str, config: ModelConfig) -> GatedMLP:
     mlp = prefix + "mlp."
-    gate_up = torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
+    gate_up = concat_weights([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
     return GatedMLP(Linear(gate_up), Linear(weights[mlp + "down_proj.weight"]), config.hidden_act)
 
 

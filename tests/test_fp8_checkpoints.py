@@ -1,0 +1,313 @@
+"""FP8 checkpoints as HF folders hold them (compressed-tensors float-quantized, block-wise `quant_method: fp8`)
+and `model.quantization=fp8` load and run as transformers runs their dequantized weights.
+
+Each folder is a tiny random Llama whose dense linears this file quantizes itself (its own code, not ours), saved
+with safetensors beside a config.json carrying the quantization_config. The reference is transformers in float32
+on the weights the checkpoint stands for (FP8 values times their scales), so the only difference left is our
+arithmetic, held to 1e-3 in the logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from batchprefill.errors import JobError
+from batchprefill.kernels.fp8 import Fp8Weight, concat_weights, quantize_per_channel, quantize_rows
+from batchprefill.kernels.linear import Linear
+from batchprefill.kernels.torch.ops import TorchOps
+from batchprefill.model.loader import load_model, quantization_choice, read_model_config
+from batchprefill.model.tokenizer import PromptTokenizer
+from batchprefill.model.weights import load_weights
+from tests.conftest import run_cli
+from tests.test_numerics import prefill_logits
+
+E4M3_MAX = 448.0
+# hidden 256 and intermediate 320: the 128x128 blocks of the block-wise format tile them with ragged edges.
+TINY = dict(vocab_size=49152, hidden_size=256, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, rope_theta=50000.0)
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+LEFT_UNQUANTIZED = "model.layers.1.mlp.down_proj"  # in the checkpoint's ignore list, with lm_head
+COMPRESSED_TENSORS = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head", LEFT_UNQUANTIZED], "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "output_activations": None,
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False,
+                    "group_size": None, "block_structure": None, "observer": "minmax"},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                              "dynamic": True, "observer": None},
+    }},
+}
+BLOCK_WISE = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+              "modules_to_not_convert": ["lm_head", LEFT_UNQUANTIZED]}
+
+
+def quantize_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test's own per-channel FP8: (FP8 values, bfloat16 scales [out, 1]) as llm-compressor saves them."""
+    scale = (weight.abs().amax(dim=1, keepdim=True) / E4M3_MAX).to(torch.bfloat16)
+    return (weight / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def quantize_blocks(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test's own block-wise FP8: (FP8 values, float32 `weight_scale_inv` [ceil(out/128), ceil(in/128)])."""
+    rows, cols = weight.shape
+    scale = torch.empty((rows + block - 1) // block, (cols + block - 1) // block)
+    values = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = weight[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale[i, j] = tile.abs().max() / E4M3_MAX
+            values[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
+    return values, scale
+
+
+def dequantize_blocks(values: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    out = values.float()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            out[i * block:(i + 1) * block, j * block:(j + 1) * block] *= scale[i, j]
+    return out
+
+
+def save_fp8_folder(kind: str, folder: Path, model_folder: Path) -> transformers.PreTrainedModel:
+    """A random tiny Llama saved with its dense linears in FP8 (`kind`: compressed-tensors or block-wise), all but
+    lm_head and LEFT_UNQUANTIZED; returns transformers' model holding the dequantized weights, in float32."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "norm" in name:
+                weight.add_(0.3 * torch.randn_like(weight))
+    tensors = {name: weight.detach().clone().contiguous() for name, weight in model.state_dict().items()}
+    for layer in range(TINY["num_hidden_layers"]):
+        for linear in LINEARS:
+            prefix = f"model.layers.{layer}.{linear}"
+            if prefix == LEFT_UNQUANTIZED:
+                continue
+            weight = tensors[prefix + ".weight"]
+            if kind == "compressed-tensors":
+                values, scale = quantize_channels(weight)
+                tensors[prefix + ".weight_scale"] = scale
+                dequantized = values.float() * scale.float()
+            else:
+                values, scale = quantize_blocks(weight)
+                tensors[prefix + ".weight_scale_inv"] = scale
+                dequantized = dequantize_blocks(values, scale)
+            tensors[prefix + ".weight"] = values
+            model.get_parameter(prefix + ".weight").data.copy_(dequantized)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = COMPRESSED_TENSORS if kind == "compressed-tensors" else BLOCK_WISE
+    (folder / "config.json").write_text(json.dumps(config))
+    shutil.copy(model_folder / "tokenizer.json", folder / "tokenizer.json")
+    return model
+
+
+@pytest.fixture(scope="module")
+def fp8_folder(tmp_path_factory, model_folder):
+    """kind -> (folder, transformers model on the dequantized weights), each built once per module."""
+    built: dict[str, tuple[Path, transformers.PreTrainedModel]] = {}
+
+    def get(kind: str) -> tuple[Path, transformers.PreTrainedModel]:
+        if kind not in built:
+            folder = tmp_path_factory.mktemp(kind)
+            built[kind] = folder, save_fp8_folder(kind, folder, model_folder)
+        return built[kind]
+
+    return get
+
+
+PROMPT = list(range(300, 345))  # 45 tokens
+
+
+@pytest.mark.parametrize("kind", ["compressed-tensors", "block-wise"])
+def test_an_fp8_folder_gives_transformers_logits_on_its_dequantized_weights_within_1e_3(kind, fp8_folder):
+    folder, reference = fp8_folder(kind)
+    loaded = load_model(folder, torch.float32, torch.device("cpu"), TorchOps())
+    assert loaded.quantization is not None and not loaded.fp8_matmul  # read as FP8, dequantized on the CPU
+    with torch.no_grad():
+        theirs = reference(torch.tensor([PROMPT])).logits[0]
+    ours = prefill_logits(loaded.model, PROMPT, chunk=16)
+    assert (ours - theirs).abs().max().item() < 1e-3
+    # The scales matter: the FP8 values read as plain numbers (what happened before) are far from the reference.
+    assert theirs.abs().max().item() > 0.1
+
+
+def test_the_block_wise_folder_that_ran_silently_wrong_gives_transformers_greedy_tokens_on_6_rows(
+        fp8_folder, tmp_path):
+    """The issue's case: before, `weight_scale_inv` was ignored, exit 0, and 0 of 6 greedy rows were right."""
+    folder, reference = fp8_folder("block-wise")
+    prompts = ["The capital of France is", "Name three colors:", "Who wrote Hamlet?", "Bees make",
+               "One, two, three,", "The quick brown fox"]
+    pq.write_table(pa.table({"id": list(range(6)), "prompt": prompts}), tmp_path / "in.parquet")
+    done = run_cli([sys.executable, "-m", "batchprefill.run", "model=hf", f"model.path={folder}",
+                    f"data.input={tmp_path / 'in.parquet'}", f"output.dir={tmp_path / 'out'}", "engine.device=cpu",
+                    "model.dtype=float32", "sampling.max_tokens=6", "sampling.ignore_eos=true",
+                    "output.progress=false", "output.plot=false"])
+    assert done.returncode == 0, done.stderr
+    assert "FP8 weights (fp8, 128x128 blocks), dequantized at load" in done.stderr
+    rows = sorted(pq.read_table(tmp_path / "out" / "results").to_pylist(), key=lambda r: r["id"])
+    for row, prompt in zip(rows, PromptTokenizer(folder).encode_batch(prompts), strict=True):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                     pad_token_id=0)
+        assert row["output_token_ids"] == out[0, len(prompt):].tolist(), f"row {row['id']}"
+
+
+@pytest.mark.parametrize("quantization_config, named", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}, "'awq'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "'gptq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+    ({**BLOCK_WISE, "activation_scheme": "static"}, "static activation scales"),
+    ({**COMPRESSED_TENSORS, "format": "pack-quantized", "config_groups": {"group_0": {
+        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
+     "int 4-bit weights, format pack-quantized"),
+])
+def test_a_quantization_we_do_not_read_is_refused_naming_it(quantization_config, named, tmp_path):
+    config = transformers.LlamaConfig(**TINY).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    with pytest.raises(JobError, match=named):
+        read_model_config(tmp_path)
+
+
+def test_a_job_on_an_awq_folder_exits_2_with_one_line_naming_awq(tmp_path, model_folder):
+    folder = tmp_path / "awq"
+    folder.mkdir()
+    config = transformers.LlamaConfig(**TINY).to_dict()
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq"}}))
+    shutil.copy(model_folder / "tokenizer.json", folder / "tokenizer.json")
+    pq.write_table(pa.table({"id": [0], "prompt": ["Hello"]}), tmp_path / "in.parquet")
+    done = run_cli([sys.executable, "-m", "batchprefill.run", "model=hf", f"model.path={folder}",
+                    f"data.input={tmp_path / 'in.parquet'}", f"output.dir={tmp_path / 'out'}",
+                    "output.progress=false"])
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'awq' is not supported" in lines[0], done.stderr
+
+
+def test_fp8_tensors_in_a_folder_whose_config_names_no_quantization_are_refused(fp8_folder, tmp_path):
+    folder, _ = fp8_folder("compressed-tensors")
+    shutil.copy(folder / "model.safetensors", tmp_path / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    refusal = r"model\.layers\.\d\.\S+_proj\.weight is stored in float8_e4m3fn but config.json has no quantization"
+    with pytest.raises(JobError, match=refusal):
+        load_model(tmp_path, torch.float32, torch.device("cpu"), TorchOps())
+
+
+def test_model_quantization_fp8_rounds_each_weight_to_its_channels_fp8_grid_and_moves_logits_by_under_10_percent(
+        fp8_folder, tmp_path):
+    """The unquantized model (the block-wise folder's reference, saved in float32) against itself quantized at
+    load. Each weight moves by at most 1/16 of itself (e4m3 keeps 3 mantissa bits, so rounding to the nearest is
+    within half a step, 2^-4 relative), or by half the subnormal step (2^-10 of its channel's scale) for the values
+    below 2^-6 of it; the rounding errors, about 2.5% of each weight (RMS), add up over the 14 products of these
+    two random layers to a relative RMS change of the logits of 6.2% (measured; 4.8% on another prompt), bounded
+    here at 10%, with the argmax unchanged at 37 of 45 positions (bounded at 3 in 4: these random logits are
+    nearly flat, a spread of 0.32)."""
+    _, reference = fp8_folder("block-wise")
+    reference.save_pretrained(tmp_path)
+    plain = load_model(tmp_path, torch.float32, torch.device("cpu"), TorchOps())
+    quantized = load_model(tmp_path, torch.float32, torch.device("cpu"), TorchOps(), quantize="fp8")
+    assert quantization_choice(quantized.quantization, torch.float32, torch.device("cpu")) == (
+        "FP8 weights (fp8 at load, per channel), dequantized at load")
+    assert quantization_choice(plain.quantization, torch.float32, torch.device("cpu")) is None
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    held = load_weights(tmp_path, torch.float32, torch.device("cpu"), quantized.quantization)
+    o_proj = saved["model.layers.0.self_attn.o_proj.weight"]
+    assert torch.equal(held["model.layers.0.self_attn.o_proj.weight"], quantize_per_channel(o_proj).dequantize(
+        torch.float32))
+    moved = (held["model.layers.0.self_attn.o_proj.weight"] - o_proj).abs()
+    step = o_proj.abs().amax(dim=1, keepdim=True) / E4M3_MAX  # the channel's scale: 448 FP8 units to its largest
+    assert moved.max().item() > 0 and (moved <= torch.maximum(o_proj.abs() / 16, step * 2**-10) * 1.000001).all()
+    for unquantized in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"):
+        assert torch.equal(held[unquantized], saved[unquantized])
+    ours, base = prefill_logits(quantized.model, PROMPT, chunk=16), prefill_logits(plain.model, PROMPT, chunk=16)
+    relative = ((ours - base).pow(2).mean() / base.pow(2).mean()).sqrt().item()
+    assert 0.005 < relative < 0.1
+    assert (ours.argmax(-1) == base.argmax(-1)).sum().item() >= 34
+
+
+def test_a_fused_qkv_of_fp8_parts_keeps_each_rows_scale():
+    """Q (32 rows), K and V (16 each) with scales 1, 10 and 100 times apart: the fused matrix dequantizes to the
+    three stacked, and a partly quantized fusion is dequantized whole."""
+    torch.manual_seed(1)
+    parts = [quantize_per_channel(torch.randn(rows, 64) * size) for rows, size in ((32, 1.0), (16, 10.0), (16, 100.0))]
+    fused = concat_weights(parts)
+    assert isinstance(fused, Fp8Weight) and fused.scale.shape == (64,)
+    assert torch.equal(fused.dequantize(torch.float32), torch.cat([p.dequantize(torch.float32) for p in parts]))
+    mixed = concat_weights([parts[0], parts[1].dequantize(torch.float32)])
+    assert torch.equal(mixed, torch.cat([parts[0].dequantize(torch.float32), parts[1].dequantize(torch.float32)]))
+
+
+def test_an_fp8_linear_equals_the_dequantized_product_of_its_per_token_quantized_rows():
+    """The GPU's FP8 path (Triton's row quantizer and `_scaled_mm`), here on the CPU under the interpreter, over
+    rows whose ranges differ 10^4-fold: each output row is the float32 product of its FP8 row and the FP8 weights
+    times their scales, rounded to bfloat16 (within 1% of the row's largest value; measured 0.2-0.4%), and within
+    5% of the product of the unquantized rows (the activations' own FP8 rounding; measured 0.3-2.5%)."""
+    torch.manual_seed(2)
+    weight = concat_weights([quantize_per_channel(torch.randn(rows, 96)) for rows in (64, 32, 32)])
+    bias = torch.randn(128, dtype=torch.bfloat16)
+    x = (torch.randn(7, 96) * torch.logspace(-2, 2, 7)[:, None]).to(torch.bfloat16)
+    out = Linear(weight, bias)(x)
+    assert out.dtype == torch.bfloat16
+    rows, scale = quantize_rows(x)
+    want = (rows.float() * scale) @ weight.dequantize(torch.float32).T + bias.float()
+    assert ((out.float() - want).abs().amax(dim=1) / want.abs().amax(dim=1)).max().item() < 0.01
+    exact = x.float() @ weight.dequantize(torch.float32).T + bias.float()
+    assert ((out.float() - exact).norm(dim=1) / exact.norm(dim=1)).max().item() < 0.05
+
+
+def test_the_triton_row_quantizer_equals_torchs_cast_bit_for_bit_where_rounding_crosses_a_power_of_two():
+    """Values that round up into the next power of two (124.6 -> 128, 7.81 -> 8), subnormals, signed zeros, a
+    zero row, rows wider than one 4,096-wide tile and a strided view: the same FP8 bytes and scales as torch."""
+    from batchprefill.kernels.triton.fp8 import quantize_rows_triton
+
+    torch.manual_seed(3)
+    x = torch.randn(4, 5000) * 3
+    x[0, :8] = torch.tensor([124.6 / 448 * 3136, 0.0, -1e-6, 3136.0, 1e-3, -2.5, 7.81 / 448 * 3136, -0.0])
+    x[3] = 0.0
+    for rows in (x, x.to(torch.bfloat16), x[:, ::2]):
+        values, scales = quantize_rows_triton(rows)
+        want_values, want_scales = quantize_rows(rows)
+        assert torch.equal(scales, want_scales)
+        assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    assert quantize_rows(x)[0][0, 0].item() == 128.0 and quantize_rows(x)[0][0, 6].item() == 8.0
+
+
+def test_a_job_with_model_quantization_fp8_runs_the_quantized_weights_and_says_so(fp8_folder, tmp_path):
+    """Through the command line: every row's first token is the argmax of the model quantized at load (in this
+    process), and the summary names the quantization; `model.quantization=int4` is one line naming the choices."""
+    _, reference = fp8_folder("block-wise")
+    folder = tmp_path / "bf16"
+    copy.deepcopy(reference).to(torch.bfloat16).save_pretrained(folder)  # a bfloat16 checkpoint
+    shutil.copy(fp8_folder("block-wise")[0] / "tokenizer.json", folder / "tokenizer.json")
+    prompts = ["The capital of France is", "Name three colors:", "Bees make"]
+    pq.write_table(pa.table({"id": list(range(3)), "prompt": prompts}), tmp_path / "in.parquet")
+    common = ["model=hf", f"model.path={folder}", f"data.input={tmp_path / 'in.parquet'}", "engine.device=cpu",
+              "model.dtype=float32", "sampling.max_tokens=1", "output.progress=false", "output.plot=false"]
+    done = run_cli([sys.executable, "-m", "batchprefill.run", *common, "model.quantization=fp8",
+                    f"output.dir={tmp_path / 'out'}"])
+    assert done.returncode == 0, done.stderr
+    assert "float32 (model.dtype=float32), FP8 weights (fp8 at load, per channel), dequantized at load" in done.stderr
+    quantized = load_model(folder, torch.float32, torch.device("cpu"), TorchOps(), quantize="fp8").model
+    rows = sorted(pq.read_table(tmp_path / "out" / "results").to_pylist(), key=lambda r: r["id"])
+    for row, prompt in zip(rows, PromptTokenizer(folder).encode_batch(prompts), strict=True):
+        assert row["output_token_ids"] == [prefill_logits(quantized, prompt, chunk=len(prompt))[-1].argmax().item()]
+    refused = run_cli([sys.executable, "-m", "batchprefill.run", *common, "model.quantization=int4",
+                       f"output.dir={tmp_path / 'refused'}"])
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "model.quantization='int4'" in lines[0], refused.stderr
