@@ -95,11 +95,6 @@ class Plan:
         ("SmolLM2 mixed", SMOLLM2, [(1000, 300), (0, 64), (700, 1), (2000, 1)]),
         ("SmolLM2 decode split-K", SMOLLM2, [(5000, 1), (300, 1), (17, 1)]),
     ])
-    # steps with chunks from scratch, handed their fresh key and value rows as the model does (fresh_chunks.py)
-    fresh_checks: list[tuple[str, Shape, list[tuple[int, int]]]] = field(default_factory=lambda: [
-        ("from scratch beside cached and decodes", LLAMA3_8B, [(0, 600), (1000, 300), (700, 1), (0, 513), (0, 64)]),
-        ("SmolLM2 from scratch only", SMOLLM2, [(0, 300), (0, 77)]),
-    ])
     ops_settings: dict = field(default_factory=dict)
     graph_model: gpu_e2e.Workload = gpu_e2e.SMOLLM2  # its decode graph is replayed against the eager forward
     graph_contexts: tuple[int, ...] = (3000, 17, 900, 1500, 64)
@@ -128,7 +123,6 @@ SMOKE = Plan(
     checks=[("mixed prefill+decode", SMOKE_SHAPE, [(40, 20), (0, 17), (30, 1)]),
             ("decode split-K", SMOKE_SHAPE, [(150, 1), (20, 1)]),
             ("GQA 3:1 mixed", Shape(6, 2, 64), [(30, 20), (50, 1)])],
-    fresh_checks=[("from scratch beside cached and a decode", SMOKE_SHAPE, [(0, 20), (30, 9), (20, 1), (0, 13)])],
     ops_settings=dict(decode_min_segment=32), graph_model=gpu_e2e.SMOKE, graph_contexts=(40, 3, 17),
     prefill=[(48, 48), (100, 37)], decode_batches=[1, 3], decode_contexts=[100], graph_max_positions=256,
     shared_shapes=[("smoke", SMOKE_SHAPE)], shared_layouts=[SharedLayout(2, 3, 32)], shared_rows=(64,),
@@ -175,15 +169,6 @@ def check_kernels(plan: Plan, device: torch.device, dtype: torch.dtype, checker:
         checker.compare(f"attention, {name}, window {window}", fast.attention(query, k_cache, v_cache, meta, scale,
                                                                               window),
                         reference.attention(query, k_cache, v_cache, meta, scale, window))
-
-    for seed, (name, shape, specs) in enumerate(plan.fresh_checks):  # chunks from scratch on torch's flash
-        query, k_cache, v_cache, meta = random_paged_batch(
-            specs, shape.heads, shape.kv_heads, shape.head_dim, plan.block_size, dtype, device, seed=seed)
-        key, value = (cache.view(-1, shape.kv_heads, shape.head_dim)[meta.slot_mapping] for cache in (k_cache, v_cache))
-        scale = shape.head_dim**-0.5
-        checker.compare(f"attention, {name}, fresh rows", TritonOps(**plan.ops_settings).attention(
-            query, k_cache, v_cache, meta, scale, None, key, value),
-            reference.attention(query, k_cache, v_cache, meta, scale))
 
     shape = plan.shape
     fast = TritonOps(**plan.ops_settings)
@@ -339,10 +324,8 @@ def bench_prefill(plan: Plan, device: torch.device, dtype: torch.dtype, ceilings
             [(seq_len - chunk, chunk)], shape.heads, shape.kv_heads, shape.head_dim, plan.block_size, dtype, device)
         ops, scale = TritonOps(**plan.ops_settings), shape.head_dim**-0.5
         meta = ops.plan(meta, k_cache, shape.heads, dtype)  # once per step in the engine: outside the timing
-        # the step's own key and value rows, as the model hands them over: a chunk from scratch reads them
-        key, value = (cache.view(-1, shape.kv_heads, shape.head_dim)[meta.slot_mapping] for cache in (k_cache, v_cache))
-        triton_ms = timer(partial(ops.attention, query, k_cache, v_cache, meta, scale, None, key, value))
-        block_m = "fresh" if meta.plan.fresh is not None else meta.plan.block_m  # fresh: torch's flash, no tiles
+        triton_ms = timer(partial(ops.attention, query, k_cache, v_cache, meta, scale))
+        block_m = meta.plan.block_m
 
         # The same work on contiguous tensors, KV heads expanded: flash when the chunk is the whole
         # sequence, else a bottom-right-aligned causal mask (the chunk sits at the end of its context).

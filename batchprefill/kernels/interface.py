@@ -80,15 +80,13 @@ class Ops(Protocol):
 
     def attention(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-        scale: float, window: int | None = None, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+        scale: float, window: int | None = None,
     ) -> torch.Tensor:
         """Causal paged attention for a flat batch: query `[T, Hq, D]` -> `[T, Hq, D]`.
 
         Query j of sequence s sits at absolute position `p = seq_len - query_len + j` and attends to every
         cached position up to and including its own; with a sliding `window`, only to positions above
-        `p - window`. Hq is a multiple of Hkv (GQA). `key` and `value` `[T, Hkv, D]`, when given, are the rows
-        this step stored into the caches: a backend may read a chunk's own keys from them instead of the pool
-        (the same numbers where the caches hold the query's dtype).
+        `p - window`. Hq is a multiple of Hkv (GQA).
         """
 
     def rms_norm(

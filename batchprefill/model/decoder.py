@@ -142,7 +142,7 @@ class DecoderModel(torch.nn.Module):
         else:
             q, k = ops.rope(q, k, positions, self.cos_sin[i])
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        attn = ops.attention(q, k_cache, v_cache, meta, self.scale, self.windows[i], k, v).view(-1, q_size)
+        attn = ops.attention(q, k_cache, v_cache, meta, self.scale, self.windows[i]).view(-1, q_size)
         out = layer.o(attn)
         if hook is not None:
             hook("o", out, attn)

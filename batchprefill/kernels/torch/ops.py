@@ -132,13 +132,11 @@ class TorchOps:
         return meta.with_plan(TorchPlan(decode_plan, batches, alone))
 
     def attention(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                  window: int | None = None, key: torch.Tensor | None = None,
-                  value: torch.Tensor | None = None) -> torch.Tensor:
+                  window: int | None = None) -> torch.Tensor:
         """A few fused calls for the whole step: decodes, then batches of short chunks; chunks too long for a
         dense mask run one fused call each. A sliding window that hides keys this step runs each sequence
         alone over the keys its window holds (the group plans assume full attention); under batch invariance, each
-        row alone through the kernel (`PagedDecode.plan_windowed`). The fresh `key` and `value` go unused: every
-        key is read from the pool, as the CPU path's figures were measured."""
+        row alone through the kernel (`PagedDecode.plan_windowed`)."""
         if window is not None and not self.batch_invariant and window < max(meta.seq_lens_host, default=0):
             out = torch.empty_like(query)
             for s in range(meta.num_seqs):

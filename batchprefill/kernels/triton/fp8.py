@@ -20,7 +20,7 @@ import triton.language as tl
 from batchprefill.kernels.fp8 import FP8, FP8_MAX, MIN_AMAX
 
 # Adding then subtracting 1.5 x 2^23 rounds a float32 of magnitude below 2^22 to an integer, ties to even.
-ROUNDING_MAGIC = 12582912.0
+ROUNDING_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
 
 
 @triton.jit

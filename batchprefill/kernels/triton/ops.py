@@ -23,7 +23,6 @@ from batchprefill.kernels.triton.attention import (
     interpreting,
     prefill_attention,
 )
-from batchprefill.kernels.triton.fresh_chunks import FreshChunks, attend_fresh, can_route, fresh_layout
 from batchprefill.kernels.triton.lora import segmented_lora
 from batchprefill.kernels.triton.moe import fused_experts
 from batchprefill.kernels.triton.shared_decode import SHARED_ROWS, group_shape, shared_decode_attention
@@ -33,14 +32,13 @@ ALIGN = 4  # int32 entries: the decode rows start 16 bytes aligned inside the st
 # but long chunks (a decode then fills one row of it; see `TritonOps`).
 INVARIANT_BLOCK_M = 64
 # The prefill launch of long chunks on Hopper (sm90), by (head_dim padded to a power of 2, the chunks come after a
-# cached context): (block_m, block_n, num_warps, num_stages). Until benchmarks/gpu_prefill_tiles.py has run on the
-# H200 these are the choices made before it (128-row tiles, 64-token KV tiles, warps and stages from
-# `prefill_warps_and_stages`); paste its printed table here.
-HOPPER_PREFILL_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
-    (64, False): (128, 64, 4, 3),
-    (64, True): (128, 64, 4, 3),
-    (128, False): (128, 64, 8, 3),
-    (128, True): (128, 64, 8, 3),
+# cached context): (block_m, block_n, num_warps, num_stages), the best of 36 candidates each as
+# benchmarks/gpu_prefill_tiles.py timed them on the H200 (torch 2.11, Triton 3.6).
+HOPPER_PREFILL_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {  # H200, benchmarks/gpu_prefill_tiles.py:
+    (64, False): (128, 64, 8, 2),  # 0.71x flash SDPA (geometric mean, 1k-8k tokens); before (128, 64, 4, 3): 0.63x
+    (64, True): (128, 128, 4, 4),  # 0.99x (512-2048 after 4k-32k cached); before: 0.87x
+    (128, False): (128, 128, 8, 2),  # 0.56x; before (128, 64, 8, 3): 0.51x
+    (128, True): (128, 128, 8, 4),  # 1.14x; before: 0.96x
 }
 
 
@@ -48,15 +46,11 @@ HOPPER_PREFILL_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
 class TritonPlan:
     """What every layer of one step launches: prefill tiles for the chunks, decode rows for single tokens."""
 
-    tile_map: torch.Tensor | None  # [tiles, 2] int32 (sequence, tile index in it), longest KV first (kept, then fresh)
+    tile_map: torch.Tensor | None  # [tiles, 2] int32 (sequence, tile index in it), longest KV first
     decode_rows: torch.Tensor | None  # [decodes] int32 sequence indices; None when every row is a decode
     num_decodes: int
     block_m: int
     num_segments: int  # decode grid depth
-    # The chunks with nothing cached before them, for torch's flash attention (`fresh_chunks.py`); their tiles
-    # come last in `tile_map`, after the first `kept_tiles`, for a layer that cannot route them (a short window)
-    fresh: FreshChunks | None = None
-    kept_tiles: int = 0
     prefill_launch: tuple[int, int, int] | None = None  # (block_n, num_warps, num_stages) from the Hopper table
     # The decodes grouped by shared prefix (`shared_prefix.DecodeGroups` on the device, planned from the host
     # tables or the padded decode's fixed slots; None: no two decodes share a block, and they launch as before),
@@ -72,8 +66,9 @@ class TritonOps:
     waits on the device. Tile sizes may be fixed for tests; by default they follow the batch shape. In a
     mixed step, chunks run through the prefill kernel and single-token rows through the decode kernel
     (in a 64-row prefill tile a decode would use 1/64 of the tile and read each KV head once per query head).
-    Chunks with nothing cached before them go to torch's flash attention on the step's fresh keys and values
-    (`fresh_chunks.py`), so a step of such chunks alone launches no prefill kernel.
+    Chunks with nothing cached before them stay on the prefill kernel too: torch's flash attention on the step's
+    own keys (no gather) ran at 0.42-0.61x of flash SDPA on the H200 where the kernel's measured tiles reach
+    0.56-0.76x (benchmarks/gpu_prefill_tiles.py, its `routed` rows).
 
     With `batch_invariant`, a row's bits must not depend on what shares its step, so nothing is chosen from the
     step: prefill tiles are always `INVARIANT_BLOCK_M` rows, every KV tile is masked (`MASK_ALL`), and decodes go
@@ -131,10 +126,7 @@ class TritonOps:
         segmented_lora(out, x, weights, step, self.batch_invariant)
 
     def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, window: int | None = None,
-                  key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
-        """With the step's fresh `key` and `value`, chunks with nothing cached before them go through torch's flash
-        attention (`fresh_chunks.py`) unless the window would hide some of their keys; the rest as planned."""
+                  meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.num_seqs == 0 or query.shape[0] == 0:
             return out
@@ -142,10 +134,7 @@ class TritonOps:
             meta = self.plan(meta, k_cache, query.shape[1], query.dtype)
         plan = meta.plan
         block_n = self._block_n(query.dtype)
-        tile_map, fresh = plan.tile_map, plan.fresh
-        if fresh is not None and key is not None and (window is None or window >= fresh.longest):
-            attend_fresh(query, key, value, out, fresh, scale)
-            tile_map = tile_map[: plan.kept_tiles] if plan.kept_tiles else None
+        tile_map = plan.tile_map
         if tile_map is not None:
             prefill_n, num_warps, num_stages = plan.prefill_launch or (
                 block_n, *prefill_warps_and_stages(plan.block_m, query.shape[2]))
@@ -189,32 +178,19 @@ class TritonOps:
             return meta.with_plan(self._invariant_plan(query_lens, seq_lens, device))
         chunks = np.flatnonzero(query_lens > 1)
         decodes = np.flatnonzero(query_lens == 1)
-        routed = can_route(k_cache, dtype)
-        fresh = chunks[seq_lens[chunks] == query_lens[chunks]] if routed else chunks[:0]
-        kept = chunks[seq_lens[chunks] > query_lens[chunks]] if routed else chunks
-        tiled = kept if len(kept) else chunks  # the chunks the prefill kernel runs in most layers
-        block_m, launch = self._choose_tiles(query_lens[tiled], seq_lens[tiled], k_cache, dtype)
+        block_m, launch = self._choose_tiles(query_lens[chunks], seq_lens[chunks], k_cache, dtype)
         num_segments = self._decode_segments(seq_lens[decodes], num_kv_heads, device) if len(decodes) else 1
         host_groups = None
         if len(decodes) and meta.decode_groups is None and meta.block_tables_host is not None:
             members, _ = group_shape(num_q_heads // num_kv_heads, self.shared_rows)
             host_groups = shared_prefix.group_decodes(seq_lens[decodes], meta.block_tables_host[decodes], decodes,
                                                       k_cache.shape[1], members)
-        tile_map = decode_rows = fresh_chunks = None
-        kept_tiles = 0
+        tile_map = decode_rows = None
         decode_groups = meta.decode_groups if len(decodes) == len(query_lens) else None
         parts: dict[str, np.ndarray] = {}
         if len(chunks):
-            tiles = _tile_map(query_lens[kept], seq_lens[kept], kept, block_m)
-            kept_tiles = len(tiles)
-            tiles = np.concatenate([tiles, _tile_map(query_lens[fresh], seq_lens[fresh], fresh, block_m)])
-            parts["tiles"] = tiles.ravel()
+            parts["tiles"] = _tile_map(query_lens[chunks], seq_lens[chunks], chunks, block_m).ravel()
             parts["decodes"] = decodes
-            if len(fresh):
-                bounds, rows, first_row = fresh_layout(query_lens, fresh)
-                parts["bounds"] = bounds
-                if rows is not None:
-                    parts["rows"] = rows
         if host_groups is not None:
             parts |= {"groups": host_groups.groups.ravel(), "members": host_groups.members,
                       "shared_lens": host_groups.shared_lens}
@@ -222,9 +198,6 @@ class TritonOps:
             staged = self._stage_parts(parts, device)
             tile_map = staged["tiles"].view(-1, 2) if len(chunks) else None
             decode_rows = staged["decodes"] if len(chunks) and len(decodes) else None
-            if len(fresh):
-                fresh_chunks = FreshChunks(bounds.tolist(), staged["bounds"], staged.get("rows"), first_row,
-                                           int(query_lens[fresh].max()))
             if host_groups is not None:
                 decode_groups = DecodeGroups(staged["groups"].view(-1, 4), staged["members"], staged["shared_lens"])
         prefix_segments = 1
@@ -235,8 +208,8 @@ class TritonOps:
             members, _ = group_shape(num_q_heads // num_kv_heads, self.shared_rows)
             expected = min(decode_groups.groups.shape[0], triton.cdiv(len(decodes), members))
             prefix_segments = self._prefix_segments(int(seq_lens.max()), expected, num_kv_heads, device)
-        return meta.with_plan(TritonPlan(tile_map, decode_rows, len(decodes), block_m, num_segments, fresh_chunks,
-                                         kept_tiles, launch, decode_groups, prefix_segments))
+        return meta.with_plan(TritonPlan(tile_map, decode_rows, len(decodes), block_m, num_segments, launch,
+                                         decode_groups, prefix_segments))
 
     def _stage_parts(self, parts: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
         """`_stage` of named parts, each starting 16 bytes aligned (so no alignment depends on another's size)."""
