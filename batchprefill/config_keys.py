@@ -200,7 +200,7 @@ def unknown_key_message(key: str) -> str:
 
 
 def _leaf_keys(node: DictConfig, prefix: str) -> Iterator[str]:
-    for name in node.keys():
+    for name in node:
         key = f"{prefix}{name}"
         child = node._get_node(name)
         if isinstance(child, DictConfig) and not (key in KEYS and KEYS[key].open_mapping):

@@ -2,9 +2,9 @@
 
 Hydra hands every command one `DictConfig`; `JobSettings.from_config` turns it into plain frozen
 dataclasses, one per stage (data, model, engine, sampling, output), and raises a one-line `JobError` for
-any value out of range. Every key's type is checked before, once, against config_keys.py's schema, so the values
-read here are of their type (a boolean is a bool, never a string taken as true). Each stage then receives only its part, so a new key has one place to land and be
-checked, and no stage reads the raw config.
+any value out of range. Every key's type is checked first, once, against config_keys.py's schema, so the values
+read here are of their type (a boolean is a bool, never a string taken as true). Each stage then receives only
+its part, so a new key has one place to land and be checked, and no stage reads the raw config.
 """
 
 from __future__ import annotations
