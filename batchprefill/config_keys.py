@@ -28,6 +28,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from batchprefill.errors import JobError
+from batchprefill.units import a_type
 
 
 @dataclass(frozen=True)
@@ -232,4 +233,4 @@ def _type_name(value: object) -> str:
         return "a list"
     if isinstance(value, dict):
         return "a mapping"
-    return f"a {type(value).__name__}"
+    return a_type(value)

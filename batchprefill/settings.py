@@ -66,6 +66,7 @@ class OutputSettings:
     plot: bool  # draw stats/run.png after the run and the merge
     # another host's run that stopped renewing its lease on a shard this long is gone (pipeline.shard_lock)
     lease_seconds: float = 120.0
+    temporary: bool = False  # a folder the Python API made for this call and removes when it returns
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     if sharding.num_shards == 1:  # shards: the merge finishes the outputs
         input_format(job.data.format).finish_outputs(out, job.model.name, prepared.model.tokenizer.decode_one)
     figure = write_run_figure(stats_folder, "batchprefill") if job.output.plot else None
-    print_run_summary(stats, out, figure, dtype_choice(job.model.dtype, resolve_device(job.engine.device)))
+    print_run_summary(stats, out, figure, dtype_choice(job.model.dtype, resolve_device(job.engine.device)),
+                      job.output.temporary)
     return stats
 
 
