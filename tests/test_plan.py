@@ -185,3 +185,49 @@ def test_missing_input_is_one_line_naming_data_input(tmp_path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "data.input" in lines[0], result.stderr
     assert not (tmp_path / "out" / "plan.parquet").exists()
+
+
+def _small_input(tmp_path: Path) -> Path:
+    data = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": ["The capital of France is", "Two plus two is"]}), data)
+    return data
+
+
+def test_a_plan_into_an_output_dir_a_live_run_writes_refuses_naming_it_and_leaves_its_partitions(tmp_path) -> None:
+    import os
+
+    import batchprefill
+    from batchprefill import JobError
+    from batchprefill.pipeline.shard_lock import LEASE_FOLDER, ShardLock
+    from batchprefill.settings import Sharding
+
+    out = tmp_path / "out"
+    (out / "partitions").mkdir(parents=True)
+    (out / "partitions" / "manifest.json").write_text("{}")  # what the live run reads
+    live = ShardLock(out / LEASE_FOLDER, Sharding(1, 0), "live run", 120)
+    live.acquire()  # this test's process: alive, so its lease holds
+    try:
+        with pytest.raises(JobError, match=rf"^output\.dir={out} is being written by a live run: host .*, process "
+                                           rf"{os.getpid()}, .*batchprefill-plan would remake the partitions it reads"):
+            batchprefill.plan(_small_input(tmp_path), output={"dir": str(out)}, progress=False)
+    finally:
+        live.release()
+    assert (out / "partitions" / "manifest.json").read_text() == "{}" and not (out / "plan.parquet").exists()
+
+
+def test_a_plan_refuses_a_missing_adapter_folder_and_an_adapter_of_another_base_as_the_run_would(
+    tmp_path, model_folder
+) -> None:
+    import batchprefill
+    from batchprefill import JobError
+    from tests.lora_helpers import ALL_SEPARATE, save_adapter, save_base
+
+    data = _small_input(tmp_path)
+    missing = tmp_path / "no-such-adapter"
+    with pytest.raises(JobError, match=rf"^model\.adapters\.math \({missing}\): {missing} does not exist$"):
+        batchprefill.plan(data, model={"adapters": {"math": str(missing)}}, output={"dir": str(tmp_path / "a")})
+    other = tmp_path / "tiny-adapter"
+    save_adapter(save_base("llama", tmp_path / "tiny-base", model_folder), other, seed=1, targets=ALL_SEPARATE)
+    with pytest.raises(JobError, match=rf"^model\.adapters\.tiny \({other}\): .* do not fit the model's projection"):
+        batchprefill.plan(data, model={"adapters": {"tiny": str(other)}}, output={"dir": str(tmp_path / "b")})
+    assert not (tmp_path / "b" / "plan.parquet").exists()
