@@ -153,7 +153,8 @@ def test_json_under_a_parquet_name_is_named_with_its_first_bytes(tmp_path):
     data.write_text('{"id": 1, "prompt": "hi"}\n')
     done = command("run", f"data.input={data}", f"output.dir={tmp_path / 'out'}")
     assert done.returncode == 2
-    assert f"{data} is not Parquet: it starts with {data.read_bytes()[:16]!r}; replace the file" in the_error_line(done)
+    assert (f"{data} is not Parquet: it starts with {data.read_bytes()[:16]!r}, which looks like JSON Lines: name it "
+            ".jsonl or set data.format=jsonl; replace the file") in the_error_line(done)
     assert nothing_ran(tmp_path / "out")
 
 

@@ -60,10 +60,9 @@ def assert_each_key_exits_2_with_its_line(command: str, keys: list[str], tmp_pat
     assert not (tmp_path / "out" / "partitions").exists()
 
 
-def test_every_one_of_the_56_keys_given_a_value_of_another_type_exits_batchprefill_run_2_with_one_line_naming_it(
+def test_every_key_of_the_schema_given_a_value_of_another_type_exits_batchprefill_run_2_with_one_line_naming_it(
     tmp_path, capsys, monkeypatch
 ):
-    assert len(KEYS) == 56
     assert_each_key_exits_2_with_its_line("run", list(KEYS), tmp_path, capsys, monkeypatch)
 
 

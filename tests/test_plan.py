@@ -63,6 +63,25 @@ def test_sizes_read_in_the_largest_unit_they_fill() -> None:
     assert readable_bytes(10**15) == "909 TiB"  # no unit past TiB
 
 
+def test_counts_agree_with_their_nouns_and_types_take_their_article() -> None:
+    from batchprefill.units import a_type, counted
+
+    assert [counted(n, "error") for n in (0, 1, 2, 1500)] == ["0 errors", "1 error", "2 errors", "1,500 errors"]
+    assert [a_type(v) for v in (3, "x", [], None, 1.5)] == ["an int", "a str", "a list", "a NoneType", "a float"]
+
+
+def test_a_run_summary_says_1_request_1_error_and_names_no_folder_a_temporary_job_removes(capsys, tmp_path) -> None:
+    from batchprefill.report.summary import print_run_summary
+
+    job = {"num_requests": 1, "num_errors": 1, "wall_seconds": 0.5, "prompt_tokens": 0, "cached_tokens": 0,
+           "cache_hit_rate": 0.0, "computed_prompt_tokens": 0, "prefill_tokens_per_second": 0.0, "output_tokens": 0,
+           "output_tokens_per_second": 0.0, "evicted_blocks": 0, "preemptions": 0}
+    print_run_summary(job, tmp_path, None, "float32", temporary=True)
+    line = capsys.readouterr().err
+    assert line.startswith("batchprefill: 1 request (1 error) in 0.5 s")
+    assert str(tmp_path) not in line and line.rstrip().endswith("their temporary folder is removed.")
+
+
 def test_the_report_prints_a_2_tb_kv_cache_in_tib(capsys, tmp_path) -> None:
     row = {"requests": 10, "error_rows": 0, "groups": 2, "largest_group": 6, "ideal_computed_tokens": 50,
            "computed_tokens_without_reuse": 100, "prefill_flops_with_reuse": 1e12, "prefill_flops_without_reuse": 2e12,
