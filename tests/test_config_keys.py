@@ -22,9 +22,11 @@ from tests.conftest import REPO, run_cli
 COMMANDS = {"run": batchprefill.cli.run.main, "plan": batchprefill.cli.plan.main, "merge": batchprefill.cli.merge.main}
 
 
-def cli_in_process(command: str, overrides: list[str], capsys, monkeypatch) -> tuple[int, list[str]]:
+def cli_in_process(command: str, overrides: list[str], capsys, monkeypatch, cwd) -> tuple[int, list[str]]:
     """A console script's own `main` (Hydra's command-line parsing, the config check, the one-line report) run in
-    this process: its exit status and stderr lines."""
+    this process from `cwd`: its exit status and stderr lines. Hydra makes its run folder under output.dir before
+    the check (`output.dir=5` makes `5/.hydra-runs` in the working folder)."""
+    monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "argv", [f"batchprefill-{command}", *overrides])
     with pytest.raises(SystemExit) as exited:
         COMMANDS[command]()
@@ -53,7 +55,7 @@ def assert_each_key_exits_2_with_its_line(command: str, keys: list[str], tmp_pat
         kind = KEYS[key]
         written = f"{key}={kind.wrong}"
         overrides = [f"output.dir={tmp_path / 'out'}", written] if key != "output.dir" else [written]
-        status, lines = cli_in_process(command, overrides, capsys, monkeypatch)
+        status, lines = cli_in_process(command, overrides, capsys, monkeypatch, tmp_path)
         assert status == 2, (key, lines)
         assert len(lines) == 1 and lines[0].startswith("batchprefill"), (key, lines)
         assert f": error: {written} is " in lines[0] and f": give {kind.words()}" in lines[0], lines[0]
@@ -130,7 +132,7 @@ def test_auto_and_an_integer_both_reach_the_engine_settings_of_max_num_seqs_and_
 ])
 def test_a_mistyped_key_names_the_keys_nearest_to_it_not_hydras_advice_to_add_it(override, line, tmp_path,
                                                                                   capsys, monkeypatch):
-    status, lines = cli_in_process("plan", [override, f"output.dir={tmp_path}"], capsys, monkeypatch)
+    status, lines = cli_in_process("plan", [override, f"output.dir={tmp_path}"], capsys, monkeypatch, tmp_path)
     assert status == 2 and len(lines) == 1 and lines[0].startswith(f"batchprefill: error: {line}"), lines
     assert "+sampling" not in lines[0]
     dotted = override.lstrip("+").split("=")[0]
