@@ -28,6 +28,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from batchprefill.errors import JobError
+from batchprefill.pooling_params import POOLINGS
 from batchprefill.units import a_type
 
 
@@ -117,7 +118,7 @@ KEYS: dict[str, Kind] = {
     "model.path": text(nullable=True),
     "model.dtype": choice("auto", "float32", "bfloat16", "float16"),
     "model.adapters": named_folders(),
-    "model.pooling": choice("last", "mean"),
+    "model.pooling": choice(*POOLINGS),
     "model.normalize": boolean(),
     "engine.device": choice("auto", "cpu", "cuda"),
     "engine.attention_backend": choice("auto", "torch", "triton"),

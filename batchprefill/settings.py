@@ -21,7 +21,7 @@ from batchprefill.engine.config import EngineSettings
 from batchprefill.errors import JobError
 from batchprefill.io.columns import Columns
 from batchprefill.io.formats import FORMATS, input_format
-from batchprefill.pooling_params import POOLINGS, PoolingParams
+from batchprefill.pooling_params import PoolingParams
 from batchprefill.sampling_params import SamplingParams
 from batchprefill.tasks import Task, get_task
 
@@ -97,7 +97,6 @@ def _require(ok: bool, message: str) -> None:
 
 def _data(cfg: DictConfig, task: Task) -> DataSettings:
     d = cfg.data
-    _require(d.order in ("prefix", "input"), f"data.order={d.order!r}: choose prefix or input")
     _require(d.read_batch_rows >= 1 and d.buffer_mb >= 1, "data.read_batch_rows and data.buffer_mb must be >= 1")
     columns = replace(_columns(d), task_columns=_task_columns(d, task))
     return DataSettings(
@@ -147,11 +146,9 @@ def _model(cfg: DictConfig) -> ModelSettings:
         _require(isinstance(name, str) and bool(name.strip()) and isinstance(folder, str) and bool(folder),
                  f"model.adapters: {name!r}={folder!r}: give each adapter a name and its PEFT folder "
                  "(+model.adapters.NAME=/path/to/adapter)")
-    pooling = m.pooling
-    _require(pooling in POOLINGS, f"model.pooling={pooling!r}: choose {' or '.join(POOLINGS)}")
     return ModelSettings(name=str(m.name), path=m.path, dtype=str(m.dtype),
                          adapters={str(name): str(folder) for name, folder in adapters.items()},
-                         pooling=PoolingParams(pooling, m.normalize))
+                         pooling=PoolingParams(m.pooling, m.normalize))
 
 
 def _engine(cfg: DictConfig) -> EngineSettings:
