@@ -144,3 +144,14 @@ def test_a_mistyped_key_names_the_keys_nearest_to_it_not_hydras_advice_to_add_it
 def test_a_model_group_that_needs_a_path_names_the_unset_key(tmp_path):
     with pytest.raises(JobError, match=r"^model\.path is not set: give it a value \(model\.path=\.\.\.\)"):
         checked_job(api._composed([f"output.dir={tmp_path}", "model=hf"]))
+
+
+def test_a_runner_given_a_word_for_a_number_raises_before_loading_the_model(monkeypatch):
+    import batchprefill.pipeline.build_engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(batchprefill.pipeline.build_engine, "load_model", no_load)
+    with pytest.raises(JobError, match=r"^sampling\.max_tokens=four is a string: give an integer$"):
+        batchprefill.Runner(sampling={"max_tokens": "four"})

@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from batchprefill.errors import JobError
+from batchprefill.io.atomic import replace_atomic
 from batchprefill.model.adapters import CONFIG_FILE, WEIGHTS_FILE, adapter_identity
 from batchprefill.pipeline.prepare import Prepared
 from batchprefill.settings import JobSettings
@@ -52,7 +53,8 @@ def check_same_job(job: JobSettings, prepared: Prepared, results_dir: Path) -> N
     """Records this job beside results it starts; refuses in one line to continue results another job wrote."""
     record, path = job_record(job, prepared), job.output.dir / RECORD_NAME
     if not any(results_dir.glob("part-*.parquet")) or not path.exists():  # a new job (or results of an old version)
-        _write(path, record)
+        # the shards of an array starting at once write the same record, each through its own staging file
+        replace_atomic(path, lambda staging: staging.write_text(json.dumps(record, indent=1, sort_keys=True)))
         return
     earlier = json.loads(path.read_text())
     changed = [_change(key, earlier.get(key), value) for key, value in record.items() if earlier.get(key) != value]
@@ -78,9 +80,3 @@ def _adapter_identity(folder: Path) -> str | None:
     """The adapter's fingerprint (its config and weights), None for a folder without them: the engine refuses it
     when it loads the adapters, before any row runs."""
     return adapter_identity(folder) if (folder / CONFIG_FILE).is_file() and (folder / WEIGHTS_FILE).is_file() else None
-
-
-def _write(path: Path, record: dict[str, object]) -> None:
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text(json.dumps(record, indent=1, sort_keys=True))
-    staging.replace(path)
