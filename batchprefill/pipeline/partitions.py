@@ -136,7 +136,8 @@ def _spill(files, fmt, settings: PrepareSettings, tokenizer, staging: Path, fing
 class InputDigest:
     """A digest of every input row's values (the user's columns, not what preparing adds), in input order, whatever
     the record batches' sizes: a resume compares it to tell a changed input from the same rows written again
-    (job_record.py). One JSON line per row: about 3 us a row, against the tokenizer's milliseconds."""
+    (job_record.py). One JSON line per row: 5.9 us a row (an id and a 70-character prompt), against the
+    tokenizer's 1.25 ms (20k prompts in 25 CPU s)."""
 
     def __init__(self):
         self.digest = hashlib.sha256()
