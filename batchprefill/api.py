@@ -20,7 +20,7 @@ import tempfile
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Integral, Real
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,12 +33,14 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from batchprefill.cli.app import checked_job, config_error, one_line, user_fault
+from batchprefill.config_keys import KEYS
 from batchprefill.errors import JobError
 from batchprefill.io.columns import ROW
 from batchprefill.io.own_files import read_parquet
 from batchprefill.io.results import RESUME_REMEDY, SAMPLE_INDEX
 from batchprefill.pipeline.manifest import PARTITION_REMEDY
 from batchprefill.settings import CONFIG_DIR, JobSettings
+from batchprefill.units import a_type
 
 if TYPE_CHECKING:  # torch: loaded when a job runs, not when batchprefill.api is imported
     from batchprefill.pipeline.build_engine import JobModel
@@ -152,6 +154,8 @@ def _job(data: object, config: dict[str, object]) -> Iterator[JobSettings]:
             staged = Path(os.fspath(config["output.dir"])).expanduser() / STAGED_INPUT
             config["data.input"] = staged if table is not None else data
         job = checked_job(_composed(_overrides(config)))
+        if not given:
+            job = replace(job, output=replace(job.output, temporary=True))
         if table is not None:
             _stage(table, job)
         yield job
@@ -172,11 +176,11 @@ def _as_table(data: object) -> pa.Table | list[str]:
         wrong = next((i for i, prompt in enumerate(data) if not isinstance(prompt, str)), None)
         if wrong is not None:
             raise JobError(
-                f"data: a list is taken as prompts, but item {wrong} is a {type(data[wrong]).__name__}, not a string"
+                f"data: a list is taken as prompts, but item {wrong} is {a_type(data[wrong])}, not a string"
             )
         return list(data)
     raise JobError(
-        f"data: a {type(data).__name__} is none of a path, a polars or pandas DataFrame, a pyarrow "
+        f"data: {a_type(data)} is none of a path, a polars or pandas DataFrame, a pyarrow "
         "Table, a datasets.Dataset or a list of prompt strings"
     )
 
@@ -241,7 +245,14 @@ def _leaves(config: Mapping[str, object], prefix: str) -> Iterator[tuple[str, ob
 
 
 def _overrides(config: Mapping[str, object]) -> list[str]:
-    return [f"{key}={hydra_value(key, value)}" for key, value in config.items()]
+    """The command line's overrides; an entry of a named mapping (`model.adapters.math`) is added or replaced
+    (Hydra's `++`), as a user writes `+model.adapters.math=...` for one the config lacks."""
+    return [f"{'++' if _in_named_mapping(key) else ''}{key}={hydra_value(key, value)}" for key, value in config.items()]
+
+
+def _in_named_mapping(key: str) -> bool:
+    parent = key.rpartition(".")[0]
+    return parent in KEYS and KEYS[parent].open_mapping
 
 
 def hydra_value(key: str, value: object) -> str:

@@ -2,8 +2,9 @@
 
 Hydra hands every command one `DictConfig`; `JobSettings.from_config` turns it into plain frozen
 dataclasses, one per stage (data, model, engine, sampling, output), and raises a one-line `JobError` for
-any value out of range. Each stage then receives only its part, so a new key has one place to land and be
-checked, and no stage reads the raw config.
+any value out of range. Every key's type is checked first, once, against config_keys.py's schema, so the values
+read here are of their type (a boolean is a bool, never a string taken as true). Each stage then receives only
+its part, so a new key has one place to land and be checked, and no stage reads the raw config.
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
+from batchprefill.config_keys import check_config
 from batchprefill.constraint import GrammarError, job_constraint
 from batchprefill.engine.config import EngineSettings
 from batchprefill.errors import JobError
 from batchprefill.io.columns import Columns
 from batchprefill.io.formats import FORMATS, input_format
-from batchprefill.model.quantization import QUANTIZATIONS
-from batchprefill.pooling_params import POOLINGS, PoolingParams
+from batchprefill.pooling_params import PoolingParams
 from batchprefill.sampling_params import SamplingParams
 from batchprefill.tasks import Task, get_task
 
@@ -66,6 +67,7 @@ class OutputSettings:
     plot: bool  # draw stats/run.png after the run and the merge
     # another host's run that stopped renewing its lease on a shard this long is gone (pipeline.shard_lock)
     lease_seconds: float = 120.0
+    temporary: bool = False  # a folder the Python API made for this call and removes when it returns
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,8 @@ class JobSettings:
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> JobSettings:
-        name = str(cfg.get("task", "generate"))
+        check_config(cfg)
+        name = cfg.task
         task = get_task(name)
         sampling = _sampling(cfg)
         task.check(sampling)
@@ -97,11 +100,10 @@ def _require(ok: bool, message: str) -> None:
 
 def _data(cfg: DictConfig, task: Task) -> DataSettings:
     d = cfg.data
-    _require(d.order in ("prefix", "input"), f"data.order={d.order!r}: choose prefix or input")
     _require(d.read_batch_rows >= 1 and d.buffer_mb >= 1, "data.read_batch_rows and data.buffer_mb must be >= 1")
     columns = replace(_columns(d), task_columns=_task_columns(d, task))
     return DataSettings(
-        input=d.input, format=d.format, columns=columns, chat_template=bool(d.chat_template), order=d.order,
+        input=d.input, format=d.format, columns=columns, chat_template=d.chat_template, order=d.order,
         sharding=_sharding(d.num_shards, d.shard_index), configured_shards=d.num_shards,
         read_batch_rows=int(d.read_batch_rows), buffer_mb=int(d.buffer_mb),
     )
@@ -147,32 +149,27 @@ def _model(cfg: DictConfig) -> ModelSettings:
         _require(isinstance(name, str) and bool(name.strip()) and isinstance(folder, str) and bool(folder),
                  f"model.adapters: {name!r}={folder!r}: give each adapter a name and its PEFT folder "
                  "(+model.adapters.NAME=/path/to/adapter)")
-    pooling = str(m.get("pooling", "last"))
-    _require(pooling in POOLINGS, f"model.pooling={pooling!r}: choose {' or '.join(POOLINGS)}")
-    quantization = m.get("quantization")
-    _require(quantization in (None, *QUANTIZATIONS),
-             f"model.quantization={quantization!r}: choose null (as the checkpoint says) or {', '.join(QUANTIZATIONS)}")
     return ModelSettings(name=str(m.name), path=m.path, dtype=str(m.dtype),
                          adapters={str(name): str(folder) for name, folder in adapters.items()},
-                         pooling=PoolingParams(pooling, bool(m.get("normalize", True))), quantization=quantization)
+                         pooling=PoolingParams(m.pooling, m.normalize), quantization=m.get("quantization"))
 
 
 def _engine(cfg: DictConfig) -> EngineSettings:
     e = cfg.engine
     _require(e.block_size >= 1 and (e.block_size & (e.block_size - 1)) == 0,
              f"engine.block_size={e.block_size}: must be a power of two")
-    _require(e.max_batched_tokens >= 1, f"engine.max_batched_tokens={e.max_batched_tokens}: must be >= 1")
-    _require(e.max_num_seqs >= 1, f"engine.max_num_seqs={e.max_num_seqs}: must be >= 1")
+    for key in ("max_batched_tokens", "max_num_seqs"):  # an integer, or auto: sized to the device (engine/)
+        _require(e[key] == "auto" or e[key] >= 1, f"engine.{key}={e[key]}: must be >= 1 or auto")
+    _require(e.num_threads is None or e.num_threads >= 1, f"engine.num_threads={e.num_threads}: must be >= 1 or null")
     _require(e.kv_cache_tokens is None or e.kv_cache_tokens >= e.block_size,
              f"engine.kv_cache_tokens={e.kv_cache_tokens}: must hold at least one block")
     return EngineSettings(
         device=str(e.device), attention_backend=str(e.attention_backend), block_size=int(e.block_size),
-        max_batched_tokens=int(e.max_batched_tokens), max_num_seqs=int(e.max_num_seqs),
+        max_batched_tokens=e.max_batched_tokens, max_num_seqs=e.max_num_seqs,
         kv_cache_tokens=None if e.kv_cache_tokens is None else int(e.kv_cache_tokens),
-        prefix_caching=bool(e.prefix_caching), kv_cache_dtype=str(e.kv_cache_dtype),
-        cache_namespace=str(e.cache_namespace), reserve_output_blocks=bool(e.reserve_output_blocks),
-        num_threads=int(e.num_threads) if e.num_threads else None, cuda_graphs=bool(e.cuda_graphs),
-        batch_invariant=bool(e.batch_invariant),
+        prefix_caching=e.prefix_caching, kv_cache_dtype=e.kv_cache_dtype, cache_namespace=e.cache_namespace,
+        reserve_output_blocks=e.reserve_output_blocks, num_threads=e.num_threads, cuda_graphs=e.cuda_graphs,
+        batch_invariant=e.batch_invariant,
     )
 
 
@@ -182,29 +179,33 @@ def _sampling(cfg: DictConfig) -> SamplingParams:
     _require(s.temperature >= 0, f"sampling.temperature={s.temperature}: must be >= 0")
     _require(0 < s.top_p <= 1, f"sampling.top_p={s.top_p}: must be in (0, 1]")
     _require(s.top_k == -1 or s.top_k >= 1, f"sampling.top_k={s.top_k}: must be -1 (off) or >= 1")
-    stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
-    _require(all(isinstance(x, str) and x for x in stop), "sampling.stop: give a list of non-empty strings")
-    n, logprobs = int(s.get("n", 1)), s.get("logprobs")
+    stop = _strings(s.stop)
+    _require(all(stop), "sampling.stop: give a list of non-empty strings")
+    n, logprobs = s.n, s.logprobs
     _require(n >= 1, f"sampling.n={n}: must be at least 1")
-    _require(logprobs is None or int(logprobs) >= 1, f"sampling.logprobs={logprobs}: must be null (off) or >= 1")
+    _require(logprobs is None or logprobs >= 1, f"sampling.logprobs={logprobs}: must be null (off) or >= 1")
     try:
-        constraint = job_constraint(s.get("json_schema"), s.get("regex"),
-                                    None if s.get("choice") is None else list(s.choice))
+        constraint = job_constraint(s.json_schema, s.regex, None if s.choice is None else _strings(s.choice))
     except GrammarError as error:
         raise JobError(str(error)) from None
-    return SamplingParams(max_tokens=int(s.max_tokens), temperature=float(s.temperature), top_p=float(s.top_p),
-                          top_k=int(s.top_k), seed=int(s.seed), stop=tuple(stop), ignore_eos=bool(s.ignore_eos),
-                          n=n, logprobs=None if logprobs is None else int(logprobs), constraint=constraint)
+    return SamplingParams(max_tokens=s.max_tokens, temperature=float(s.temperature), top_p=float(s.top_p),
+                          top_k=s.top_k, seed=s.seed, stop=tuple(stop), ignore_eos=s.ignore_eos, n=n,
+                          logprobs=logprobs, constraint=constraint)
+
+
+def _strings(value: str | ListConfig) -> list[str]:
+    """sampling.stop and sampling.choice: one string is a list of one (`sampling.choice=positive` is one choice)."""
+    return [value] if isinstance(value, str) else list(value)
 
 
 def _output(cfg: DictConfig) -> OutputSettings:
     o = cfg.output
     _require(o.commit_every_rows >= 1, "output.commit_every_rows must be >= 1")
     _require(o.lease_seconds > 0, "output.lease_seconds must be > 0")
-    return OutputSettings(dir=Path(o.dir).expanduser(), resume=bool(o.resume),
+    return OutputSettings(dir=Path(o.dir).expanduser(), resume=o.resume,
                           commit_every_rows=int(o.commit_every_rows),
-                          commit_every_seconds=float(o.commit_every_seconds), progress=bool(o.progress),
-                          plot=bool(o.plot), lease_seconds=float(o.lease_seconds))
+                          commit_every_seconds=float(o.commit_every_seconds), progress=o.progress,
+                          plot=o.plot, lease_seconds=float(o.lease_seconds))
 
 
 def _device_memory_gb(cfg: DictConfig) -> float | None:

@@ -56,32 +56,32 @@ def write_prompts(path: Path, ids: list) -> Path:
 # --- ids ---------------------------------------------------------------------------------------------------------
 
 
-def test_a_run_with_id_b_three_times_and_c_twice_names_b_at_row_2_and_3_repeats(tmp_path):
+def test_a_run_with_id_b_three_times_and_c_twice_names_b_at_row_3_and_3_repeats(tmp_path):
     data = write_prompts(tmp_path / "dup.parquet", ["a", "b", "b", "c", "b", "c", "d"])
     done = command("run", f"data.input={data}", f"output.dir={tmp_path / 'out'}")
     assert done.returncode == 2
     line = the_error_line(done)
     assert "data.id_column='id'" in line
-    assert "3 rows repeat an earlier row's id (2 distinct ids; first: 'b' at row 2, also at row 1)" in line
+    assert "3 rows repeat an earlier row's id (2 distinct ids; first: 'b' at row 3, also at row 2)" in line
     assert nothing_ran(tmp_path / "out")
 
 
-def test_a_plan_with_2_null_ids_names_row_1_and_counts_2(tmp_path):
+def test_a_plan_with_2_null_ids_names_row_2_and_counts_2(tmp_path):
     data = write_prompts(tmp_path / "nulls.parquet", [10, None, 12, None, 14])
     done = command("plan", f"data.input={data}", f"output.dir={tmp_path / 'out'}")
     assert done.returncode == 2
-    assert "2 rows have a null id (first: row 1)" in the_error_line(done)
+    assert "2 rows have a null id (first: row 2)" in the_error_line(done)
     assert nothing_ran(tmp_path / "out")
 
 
-def test_a_repeated_id_across_two_input_files_is_found_at_row_4(tmp_path):
+def test_a_repeated_id_across_two_input_files_is_found_at_row_5(tmp_path):
     folder = tmp_path / "data"
     folder.mkdir()
     write_prompts(folder / "a.parquet", ["x1", "x2", "x3"])
     write_prompts(folder / "b.parquet", ["y1", "x2"])
     dataset = open_dataset(*resolve_input(str(folder), "parquet"))
-    with pytest.raises(JobError, match=r"1 row repeats an earlier row's id \(1 distinct id; first: 'x2' at row 4, "
-                                       r"also at row 1\)"):
+    with pytest.raises(JobError, match=r"1 row repeats an earlier row's id \(1 distinct id; first: 'x2' at row 5, "
+                                       r"also at row 2\)"):
         check_unique_ids((b.column(0) for b in record_batches(dataset, 2, ["id"])), "id", tmp_path / "ids", 5)
 
 
@@ -135,8 +135,8 @@ def test_4000_string_ids_spill_into_about_40_bucket_files_and_one_repeat_is_foun
     assert repeats.to_pylist() == [{ID: "id-000017", ROW: 3999, FIRST_ROW: 17}]
 
 
-def test_dictionary_encoded_ids_a_b_a_repeat_a_at_row_2(tmp_path):
-    with pytest.raises(JobError, match="first: 'a' at row 2, also at row 0"):
+def test_dictionary_encoded_ids_a_b_a_repeat_a_at_row_3_counted_from_1_as_lines_are(tmp_path):
+    with pytest.raises(JobError, match="first: 'a' at row 3, also at row 1"):
         check_unique_ids([pa.array(["a", "b", "a"]).dictionary_encode()], "id", tmp_path / "ids", 3)
 
 
@@ -153,7 +153,8 @@ def test_json_under_a_parquet_name_is_named_with_its_first_bytes(tmp_path):
     data.write_text('{"id": 1, "prompt": "hi"}\n')
     done = command("run", f"data.input={data}", f"output.dir={tmp_path / 'out'}")
     assert done.returncode == 2
-    assert f"{data} is not Parquet: it starts with {data.read_bytes()[:16]!r}; replace the file" in the_error_line(done)
+    assert (f"{data} is not Parquet: it starts with {data.read_bytes()[:16]!r}, which looks like JSON Lines: name it "
+            ".jsonl or set data.format=jsonl; replace the file") in the_error_line(done)
     assert nothing_ran(tmp_path / "out")
 
 
@@ -300,7 +301,8 @@ def test_a_resumed_run_names_another_shards_damaged_results_part_before_loading_
 def test_a_misspelt_key_is_one_line_naming_it(tmp_path):
     done = command("plan", "engine.blok_size=16", f"output.dir={tmp_path / 'out'}")
     assert done.returncode == 2
-    assert "Could not override 'engine.blok_size'" in the_error_line(done)
+    assert the_error_line(done) == ("batchprefill: error: engine.blok_size is not a config key: did you mean "
+                                    "engine.block_size?")
 
 
 BOOM = """

@@ -107,6 +107,50 @@ def test_the_default_format_reads_jsonl_and_csv_by_suffix_and_a_folder_holding_p
         resolve_input(str(tmp_path / "b.csv"), "tsv")
 
 
+def read_rows(path: str) -> tuple[str, list[dict]]:
+    """The format the default data.format reads `path` in, and its rows."""
+    files, fmt = resolve_input(path, "parquet")
+    return fmt, [row for batch in record_batches(open_dataset(files, fmt), 3) for row in batch.to_pylist()]
+
+
+def test_gzip_and_bzip2_jsonl_and_csv_files_a_glob_and_a_folder_of_them_read_the_same_4_rows(tmp_path):
+    import bz2
+    import gzip
+
+    plain_jsonl, plain_csv = write_jsonl(tmp_path / "rows.jsonl", ROWS), write_csv(tmp_path / "rows.csv", ROWS)
+    folder = tmp_path / "compressed"
+    folder.mkdir()
+    for plain, packer, ending in ((plain_jsonl, gzip, ".gz"), (plain_csv, gzip, ".gz"), (plain_jsonl, bz2, ".bz2"),
+                                  (plain_csv, bz2, ".bz2")):
+        (folder / f"{plain.suffix[1:]}{ending}").mkdir(exist_ok=True)
+        (folder / f"{plain.suffix[1:]}{ending}" / f"{plain.name}{ending}").write_bytes(packer.compress(
+            plain.read_bytes()))
+    for kind in ("jsonl", "csv"):
+        for ending in (".gz", ".bz2"):
+            sub = folder / f"{kind}{ending}"
+            for given in (str(sub / f"rows.{kind}{ending}"), str(sub / "*"), str(sub)):
+                assert read_rows(given) == (kind, ROWS), given
+
+
+def test_a_json_array_a_tsv_file_and_gzip_under_a_parquet_name_are_named_for_what_they_look_like(tmp_path):
+    import gzip
+
+    (tmp_path / "rows.json").write_text(json.dumps(ROWS))
+    (tmp_path / "rows.tsv").write_text("id\tprompt\n0\tWhat is 2+2?\n")
+    (tmp_path / "rows.parquet").write_bytes(gzip.compress(b'{"id": 0}\n'))
+    for name, looks in (("rows.json", "a JSON array: write one JSON object a line"),
+                        ("rows.tsv", "tab-separated text: CSV input is comma-separated"),
+                        ("rows.parquet", "gzip-compressed data: name it .jsonl.gz or .csv.gz")):
+        with pytest.raises(JobError, match=rf"{name} is not Parquet: it starts with .*, which looks like {looks}"):
+            read_rows(str(tmp_path / name))
+
+
+def test_an_empty_jsonl_file_is_said_to_be_empty_not_to_lack_a_prompt_column(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(JobError, match=r"^data\.input: .*empty\.jsonl holds no JSON lines \(empty\)"):
+        read_rows(str(tmp_path / "empty.jsonl"))
+
+
 def test_a_jsonl_column_null_on_its_first_12000_lines_and_text_after_them_reads_as_text(tmp_path):
     """12,000 lines of about 100 bytes fill more than the first megabyte, which fixes pyarrow's types."""
     rows = [{"id": i, "prompt": "p" * 80, "system": None if i < 12_000 else "Be brief."} for i in range(12_010)]

@@ -71,6 +71,25 @@ def test_sizes_read_in_the_largest_unit_they_fill() -> None:
     assert readable_bytes(10**15) == "909 TiB"  # no unit past TiB
 
 
+def test_counts_agree_with_their_nouns_and_types_take_their_article() -> None:
+    from batchprefill.units import a_type, counted
+
+    assert [counted(n, "error") for n in (0, 1, 2, 1500)] == ["0 errors", "1 error", "2 errors", "1,500 errors"]
+    assert [a_type(v) for v in (3, "x", [], None, 1.5)] == ["an int", "a str", "a list", "a NoneType", "a float"]
+
+
+def test_a_run_summary_says_1_request_1_error_and_names_no_folder_a_temporary_job_removes(capsys, tmp_path) -> None:
+    from batchprefill.report.summary import print_run_summary
+
+    job = {"num_requests": 1, "num_errors": 1, "wall_seconds": 0.5, "prompt_tokens": 0, "cached_tokens": 0,
+           "cache_hit_rate": 0.0, "computed_prompt_tokens": 0, "prefill_tokens_per_second": 0.0, "output_tokens": 0,
+           "output_tokens_per_second": 0.0, "evicted_blocks": 0, "preemptions": 0}
+    print_run_summary(job, tmp_path, None, "float32", temporary=True)
+    line = capsys.readouterr().err
+    assert line.startswith("batchprefill: 1 request (1 error) in 0.5 s")
+    assert str(tmp_path) not in line and line.rstrip().endswith("their temporary folder is removed.")
+
+
 def test_the_report_prints_a_2_tb_kv_cache_in_tib(capsys, tmp_path) -> None:
     row = {"requests": 10, "error_rows": 0, "groups": 2, "largest_group": 6, "ideal_computed_tokens": 50,
            "computed_tokens_without_reuse": 100, "prefill_flops_with_reuse": 1e12, "prefill_flops_without_reuse": 2e12,
@@ -245,3 +264,47 @@ def test_the_plan_of_a_70b_fp8_gpu_job_says_it_fits_a_141_gb_card_from_the_confi
     assert row["min_pool_bytes"] == -(-(longest + 100) // 16) * 16 * 327_680
     assert "67.7 GiB of weights (FP8 linears, bfloat16 otherwise)" in result.stdout
     assert "on a 131 GiB device: fits" in result.stdout
+def _small_input(tmp_path: Path) -> Path:
+    data = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": ["The capital of France is", "Two plus two is"]}), data)
+    return data
+
+
+def test_a_plan_into_an_output_dir_a_live_run_writes_refuses_naming_it_and_leaves_its_partitions(tmp_path) -> None:
+    import os
+
+    import batchprefill
+    from batchprefill import JobError
+    from batchprefill.pipeline.shard_lock import LEASE_FOLDER, ShardLock
+    from batchprefill.settings import Sharding
+
+    out = tmp_path / "out"
+    (out / "partitions").mkdir(parents=True)
+    (out / "partitions" / "manifest.json").write_text("{}")  # what the live run reads
+    live = ShardLock(out / LEASE_FOLDER, Sharding(1, 0), "live run", 120)
+    live.acquire()  # this test's process: alive, so its lease holds
+    try:
+        with pytest.raises(JobError, match=rf"^output\.dir={out} is being written by a live run: host .*, process "
+                                           rf"{os.getpid()}, .*batchprefill-plan would remake the partitions it reads"):
+            batchprefill.plan(_small_input(tmp_path), output={"dir": str(out)}, progress=False)
+    finally:
+        live.release()
+    assert (out / "partitions" / "manifest.json").read_text() == "{}" and not (out / "plan.parquet").exists()
+
+
+def test_a_plan_refuses_a_missing_adapter_folder_and_an_adapter_of_another_base_as_the_run_would(
+    tmp_path, model_folder
+) -> None:
+    import batchprefill
+    from batchprefill import JobError
+    from tests.lora_helpers import ALL_SEPARATE, save_adapter, save_base
+
+    data = _small_input(tmp_path)
+    missing = tmp_path / "no-such-adapter"
+    with pytest.raises(JobError, match=rf"^model\.adapters\.math \({missing}\): {missing} does not exist$"):
+        batchprefill.plan(data, model={"adapters": {"math": str(missing)}}, output={"dir": str(tmp_path / "a")})
+    other = tmp_path / "tiny-adapter"
+    save_adapter(save_base("llama", tmp_path / "tiny-base", model_folder), other, seed=1, targets=ALL_SEPARATE)
+    with pytest.raises(JobError, match=rf"^model\.adapters\.tiny \({other}\): .* do not fit the model's projection"):
+        batchprefill.plan(data, model={"adapters": {"tiny": str(other)}}, output={"dir": str(tmp_path / "b")})
+    assert not (tmp_path / "b" / "plan.parquet").exists()

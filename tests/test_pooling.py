@@ -167,7 +167,7 @@ def test_bad_heads_and_poolings_stop_the_job_with_one_line_and_bad_rows_get_erro
         run(folder, prompts, tmp_path / "a", "task=classify")
     with pytest.raises(JobError, match=r"^task=generate needs an LM head"):
         run(folder, prompts, tmp_path / "b", "task=generate")
-    with pytest.raises(JobError, match=r"^model.pooling='max': choose last or mean$"):
+    with pytest.raises(JobError, match=r"^model.pooling=max: choose last or mean$"):
         run(folder, prompts, tmp_path / "c", "task=embed", "model.pooling=max")
     with pytest.raises(JobError, match=r"^task=embed reads each row once: set sampling.n=1, not 2$"):
         run(folder, prompts, tmp_path / "c", "task=embed", "sampling.n=2")

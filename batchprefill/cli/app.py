@@ -20,8 +20,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from batchprefill.config_keys import KEYS, unknown_key_message
 from batchprefill.errors import DiskFull, JobError
 from batchprefill.io.atomic import disk_full_message, is_disk_full
 from batchprefill.settings import CONFIG_DIR, JobSettings
@@ -120,9 +121,16 @@ def checked_job(cfg: DictConfig) -> JobSettings:
 
 
 def config_error(error: HydraException | OmegaConfBaseException) -> JobError:
-    """A bad override or config key as the JobError a user reads: Hydra's message, with OmegaConf's cause (the
-    key that is not in the config) when it has one. The command line and the Python API compose alike."""
+    """A bad override or config key as the JobError a user reads. A key that is not in the config names the keys
+    nearest to it (not OmegaConf's advice to add the typo with `+`); a value Hydra cannot merge into its key (a
+    mapping for a list) says what the key takes; anything else is Hydra's message with OmegaConf's cause. The
+    command line and the Python API compose alike."""
     cause = error.__cause__
+    key = getattr(cause, "full_key", None)
+    if isinstance(cause, ConfigAttributeError | ConfigKeyError) and key and key not in KEYS:
+        return JobError(unknown_key_message(key))
+    if isinstance(cause, OmegaConfBaseException) and key in KEYS:
+        return JobError(f"{error}: {key} takes {KEYS[key].words()}")
     detail = f" {cause}" if isinstance(cause, OmegaConfBaseException) else ""
     return JobError(f"{error}{detail}")
 

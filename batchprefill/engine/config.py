@@ -17,8 +17,8 @@ class EngineSettings:
     device: str = "auto"
     attention_backend: str = "auto"
     block_size: int = 16
-    max_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_batched_tokens: int | str = 2048  # or "auto": sized to the device
+    max_num_seqs: int | str = 256  # or "auto"
     kv_cache_tokens: int | None = None
     prefix_caching: bool = True
     kv_cache_dtype: str = "auto"

@@ -66,6 +66,7 @@ def is_token_ids(arrow_type: pa.DataType) -> bool:
         pa.types.is_integer(arrow_type.value_type)
 
 
+INTERNAL_PREFIX = "_bp_"  # of every column preparing adds (these, and each task's own): never the user's
 ROW, TOKENS, ERROR, NAMESPACE = "_bp_row", "_bp_tokens", "_bp_error", "_bp_namespace"
 ADAPTER = "_bp_adapter"  # the row's adapter name as it runs ("" for the base model); also folded into NAMESPACE
 # Between a row's namespace and its adapter in NAMESPACE, which partitions, the order stage and the prefix cache key

@@ -16,7 +16,7 @@ import pyarrow.dataset as pads
 
 from batchprefill.errors import JobError
 from batchprefill.io.arrow_datasets import FileByFileDataset
-from batchprefill.io.input_format import InputFormat
+from batchprefill.io.input_format import InputFormat, open_binary
 from batchprefill.io.own_files import UNREADABLE
 
 PARSE = pacsv.ParseOptions(newlines_in_values=True)
@@ -25,6 +25,7 @@ PARSE = pacsv.ParseOptions(newlines_in_values=True)
 class CsvFormat(InputFormat):
     name, label, suffix = "csv", "CSV", ".csv"
     chosen_by_suffix = True
+    compressed = True  # pyarrow decompresses `.csv.gz` and `.csv.bz2` by their suffix
 
     def check(self, files: list[Path]) -> None:
         """Each file's header and first block are parsed before anything runs."""
@@ -46,7 +47,7 @@ class CsvFormat(InputFormat):
 
 def _first_block_schema(file: Path) -> pa.Schema:
     try:
-        with pacsv.open_csv(file, parse_options=PARSE) as reader:
+        with open_binary(file) as handle, pacsv.open_csv(handle, parse_options=PARSE) as reader:
             return reader.schema
     except UNREADABLE as error:
         raise JobError(f"data.input: {file} cannot be read as CSV with a header line ({error}); fix the file or "

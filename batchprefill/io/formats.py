@@ -10,7 +10,7 @@ from pathlib import Path
 from batchprefill.errors import JobError
 from batchprefill.io.csv import CsvFormat
 from batchprefill.io.hf_datasets import SavedDatasetFormat
-from batchprefill.io.input_format import InputDataset, InputFormat, find_files
+from batchprefill.io.input_format import COMPRESSIONS, InputDataset, InputFormat, find_files, format_suffix
 from batchprefill.io.jsonl import JsonLinesFormat
 from batchprefill.io.openai_batch import OpenAIBatchFormat
 from batchprefill.io.parquet import ParquetFormat
@@ -55,7 +55,9 @@ def _by_suffix(path: str) -> InputFormat | None:
     if Path(path).is_dir():
         if find_files(path, FORMATS[DEFAULT].suffix):
             return None
-        held = [fmt for fmt in chosen if find_files(path, fmt.suffix)]
+        held = [fmt for fmt in chosen if fmt.files_under(path)]
         return held[0] if len(held) == 1 else None
-    suffixes = {file.suffix for file in find_files(path, "")}
-    return next((fmt for fmt in chosen if suffixes == {fmt.suffix}), None)
+    files = find_files(path, "")
+    suffixes = {format_suffix(file) for file in files}
+    compressed = any(file.suffix in COMPRESSIONS for file in files)
+    return next((fmt for fmt in chosen if suffixes == {fmt.suffix} and (fmt.compressed or not compressed)), None)

@@ -10,7 +10,9 @@ that streams on its own, as the OpenAI batch reader does, stays light.
 
 from __future__ import annotations
 
+import bz2
 import glob
+import gzip
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
@@ -21,6 +23,9 @@ from batchprefill.errors import JobError
 from batchprefill.io.columns import Columns
 
 SAMPLE_DIR = Path(__file__).resolve().parents[2] / "data_samples"
+# Compressed text a format may read (`prompts.jsonl.gz`): the suffixes pyarrow's datasets decompress by, and how
+# Python opens them for the formats that survey their files line by line first.
+COMPRESSIONS: dict[str, Callable] = {".gz": gzip.open, ".bz2": bz2.open}
 
 
 class InputDataset(Protocol):
@@ -55,6 +60,7 @@ class InputFormat:
     fixed_columns = False
     # The tasks its rows may name in their own column (Columns.row_task): their result columns are all written.
     row_tasks: tuple[str, ...] = ()
+    compressed = False  # its files may be compressed (COMPRESSIONS: `.jsonl.gz`, `.csv.bz2`)
 
     def default_input(self) -> str:
         """What a job reads when data.input is not given: the shipped sample."""
@@ -64,10 +70,17 @@ class InputFormat:
 
     def find(self, path: str) -> list[Path]:
         """The files `data.input` names, or a JobError when it names none."""
-        files = find_files(path, self.suffix)
+        files = self.files_under(path)
         if not files:
             raise JobError(f"data.input {path}: no {self.label} files found")
         return files
+
+    def files_under(self, path: str) -> list[Path]:
+        """The files `data.input` names: itself, a glob's matches, or a folder's files with this format's suffix
+        (compressed too, when the format reads compressed files)."""
+        if not Path(path).is_dir() or not self.compressed:
+            return find_files(path, self.suffix)
+        return sorted(file for ending in ("", *COMPRESSIONS) for file in find_files(path, self.suffix + ending))
 
     def check(self, files: list[Path]) -> None:
         """Read what is cheap to read of every file before anything runs, so a damaged one is named up front."""
@@ -96,6 +109,16 @@ def find_files(path: str, suffix: str) -> list[Path]:
     else:
         files = [target] if target.exists() else []
     return [file for file in files if file.is_file()]
+
+
+def format_suffix(file: Path) -> str:
+    """The suffix that says a file's format, under any compression suffix: `.jsonl` for `prompts.jsonl.gz`."""
+    return Path(file.stem).suffix if file.suffix in COMPRESSIONS else file.suffix
+
+
+def open_binary(file: Path):
+    """A file's bytes, decompressed when its suffix says it is compressed."""
+    return COMPRESSIONS.get(file.suffix, open)(file, "rb")
 
 
 def record_batches(dataset: InputDataset, rows: int, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:

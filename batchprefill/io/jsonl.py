@@ -19,7 +19,7 @@ import pyarrow.json as pajson
 
 from batchprefill.errors import JobError
 from batchprefill.io.arrow_datasets import FileByFileDataset
-from batchprefill.io.input_format import InputFormat
+from batchprefill.io.input_format import InputFormat, open_binary
 from batchprefill.io.own_files import UNREADABLE
 
 CHUNK_BYTES = 1 << 20  # of lines parsed at once while surveying: a few MB of Arrow, freed before the next
@@ -28,6 +28,7 @@ CHUNK_BYTES = 1 << 20  # of lines parsed at once while surveying: a few MB of Ar
 class JsonLinesFormat(InputFormat):
     name, label, suffix = "jsonl", "JSON Lines", ".jsonl"
     chosen_by_suffix = True
+    compressed = True
 
     def check(self, files: list[Path]) -> None:
         """Each file's first chunk of lines is parsed: a file of another format under a .jsonl name is named
@@ -45,8 +46,12 @@ class JsonLinesFormat(InputFormat):
                 rows += table.num_rows
                 longest = max(longest, max(map(len, chunk.split(b"\n"))))
                 schema = table.schema if schema is None else _unified(file, schema, table.schema)
+        if not rows:
+            named = str(files[0]) if len(files) == 1 else f"all {len(files)} files ({files[0]}, ...)"
+            raise JobError(f"data.input: {named} holds no JSON lines (empty); give a file with one JSON object a "
+                           "line")
         schema = pa.schema([field.with_type(pa.string()) if pa.types.is_null(field.type) else field
-                            for field in schema or []])
+                            for field in schema])
         read_options = pajson.ReadOptions(block_size=max(CHUNK_BYTES, 2 * longest))  # no line may straddle blocks
         file_format = pads.JsonFileFormat(parse_options=pajson.ParseOptions(explicit_schema=schema),
                                           read_options=read_options)
@@ -57,7 +62,7 @@ def _chunks(file: Path) -> Iterator[tuple[int, bytes]]:
     """The file in pieces of about CHUNK_BYTES that end where a line ends, each with its first line's number."""
     number = 1
     try:
-        with open(file, "rb") as handle:
+        with open_binary(file) as handle:
             while chunk := handle.read(CHUNK_BYTES) + handle.readline():
                 yield number, chunk
                 number += chunk.count(b"\n")

@@ -55,6 +55,27 @@ class ParquetDataset(ArrowDataset):
         return head / total if head and total else None
 
 
+# What a file that is not Parquet looks like from its first bytes, and how to read it: (test, words).
+LOOKALIKES = [
+    (lambda head, suffix: head.startswith(b"\x1f\x8b"),
+     "gzip-compressed data: name it .jsonl.gz or .csv.gz to read JSON Lines or CSV"),
+    (lambda head, suffix: head.startswith(b"BZh"),
+     "bzip2-compressed data: name it .jsonl.bz2 or .csv.bz2 to read JSON Lines or CSV"),
+    (lambda head, suffix: head.lstrip().startswith(b"["),
+     "a JSON array: write one JSON object a line (JSON Lines, a .jsonl file or data.format=jsonl)"),
+    (lambda head, suffix: head.lstrip().startswith(b"{"), "JSON Lines: name it .jsonl or set data.format=jsonl"),
+    (lambda head, suffix: suffix in (".tsv", ".tab") or b"\t" in head,
+     "tab-separated text: CSV input is comma-separated (a .csv file or data.format=csv)"),
+    (lambda head, suffix: head.startswith(b"ARROW1"), "an Arrow IPC file: write it as Parquet"),
+]
+
+
+def _what_it_looks_like(file: Path, head: bytes) -> str:
+    """What a file that is not Parquet seems to be, from its first bytes and suffix, and how to read it."""
+    words = next((words for looks, words in LOOKALIKES if looks(head, file.suffix)), None)
+    return f", which looks like {words}" if words else ""
+
+
 def _parquet_fault(file: Path) -> str | None:
     try:
         size = file.stat().st_size
@@ -69,7 +90,7 @@ def _parquet_fault(file: Path) -> str | None:
     if tail != PARQUET_MAGIC:
         if head.startswith(PARQUET_MAGIC):
             return "is cut short: it starts as Parquet but has no footer"
-        return f"is not Parquet: it starts with {head!r}"
+        return f"is not Parquet: it starts with {head!r}{_what_it_looks_like(file, head)}"
     try:
         pq.read_metadata(file)
     except UNREADABLE as error:

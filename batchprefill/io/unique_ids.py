@@ -181,15 +181,15 @@ class IdReport:
             verb = "repeats" if self.repeated_rows == 1 else "repeat"
             problems.append(f"{self.repeated_rows} {_rows(self.repeated_rows)} {verb} an earlier row's id "
                             f"({self.repeated_ids} distinct {'id' if self.repeated_ids == 1 else 'ids'}; first: "
-                            f"{shown} at row {row}, also at row {first})")
+                            f"{shown} at row {row + 1}, also at row {first + 1})")
         if self.first_null is not None:
             problems.append(f"{self.nulls} {_rows(self.nulls)} {'has' if self.nulls == 1 else 'have'} a null id "
-                            f"(first: row {self.first_null})")
+                            f"(first: row {self.first_null + 1})")
         if not problems:
             return None
         return (f"data.id_column={self.column!r} must give every row its own id: {'; '.join(problems)}. Rows "
-                "count from 0 in input order. Fix the ids, or set data.id_column to a column the input lacks to key "
-                "rows by position")
+                "count from 1 in input order, as a file's lines do. Fix the ids, or set data.id_column to a column "
+                "the input lacks to key rows by position")
 
 
 def _rows(count: int) -> str:

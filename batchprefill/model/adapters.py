@@ -100,6 +100,8 @@ def _scale(options: dict, module: str, rank: int) -> float:
 
 def read_adapter(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """The adapter's options and tensors, checked for what this engine serves; AdapterError names what it lacks."""
+    if not folder.is_dir():
+        raise AdapterError(f"{folder} does not exist" if not folder.exists() else f"{folder} is a file, not a folder")
     if not (folder / CONFIG_FILE).is_file():
         raise AdapterError(f"{folder} has no {CONFIG_FILE}: it is not a PEFT adapter folder")
     if not (folder / WEIGHTS_FILE).is_file():
@@ -194,6 +196,24 @@ def adapter_identity(folder: Path) -> str:
     return digest.hexdigest()[:32]
 
 
+def checked_deltas(name: str, folder: Path, config: ModelConfig,
+                   dense_mlp: list[bool]) -> dict[tuple[int, str], AdapterDelta]:
+    """One adapter's deltas on the CPU, read and fitted to the model; a JobError naming it when it cannot be."""
+    try:
+        options, tensors = read_adapter(folder)
+        return adapter_deltas(options, tensors, config, dense_mlp)
+    except AdapterError as error:
+        raise JobError(f"model.adapters.{name} ({folder}): {error}") from None
+
+
+def check_adapters(adapters: dict[str, str], config: ModelConfig) -> None:
+    """What `load_adapters` would refuse, refused without loading the model (the plan command): every adapter
+    read and fitted to the model's config; a layer of experts takes no MLP LoRA."""
+    sparse = getattr(config, "sparse_layers", ()) or (False,) * config.num_layers
+    for name, folder in sorted(adapters.items()):
+        checked_deltas(name, Path(folder).expanduser(), config, [not layer for layer in sparse])
+
+
 def load_adapters(
     adapters: dict[str, Path], config: ModelConfig, dense_mlp: list[bool], dtype: torch.dtype, device: torch.device
 ) -> list[dict[str, LoraWeights]]:
@@ -210,12 +230,7 @@ def load_adapters(
     }
     layers: list[dict[str, LoraWeights]] = [{} for _ in range(config.num_layers)]
     for name, folder in sorted(adapters.items()):
-        try:
-            options, tensors = read_adapter(Path(folder))
-            deltas = adapter_deltas(options, tensors, config, dense_mlp)
-        except AdapterError as error:
-            raise JobError(f"model.adapters.{name} ({folder}): {error}") from None
-        for (layer, projection), delta in deltas.items():
+        for (layer, projection), delta in checked_deltas(name, Path(folder), config, dense_mlp).items():
             delta.a = delta.a.to(device=device, dtype=dtype).contiguous()
             for part in delta.parts:
                 part.b = part.b.to(device=device, dtype=dtype).contiguous()

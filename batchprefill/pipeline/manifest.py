@@ -48,6 +48,8 @@ class Manifest:
     partition_rows: list[int]
     partition_tokens: list[int]
     partition_bytes: list[int] = field(default_factory=list)  # Arrow bytes of each partition once read back
+    # Every input row's content, in input order (partitions.InputDigest): what a resume compares (job_record.py)
+    input_digest: str | None = None
 
     @property
     def num_partitions(self) -> int:

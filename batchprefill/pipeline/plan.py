@@ -21,9 +21,11 @@ import pyarrow as pa
 
 from batchprefill.io.atomic import write_records
 from batchprefill.io.columns import ADAPTER_SCOPE, ERROR, NAMESPACE, ROW, TOKENS
+from batchprefill.model.adapters import check_adapters
 from batchprefill.pipeline.manifest import read_partition
 from batchprefill.pipeline.order import groups, in_run_order, reusable_tokens, shared_with_previous
-from batchprefill.pipeline.prepare import prepare_job
+from batchprefill.pipeline.prepare import open_model, prepare_job
+from batchprefill.pipeline.shard_lock import refuse_beside_live_writer
 from batchprefill.report.plan_figure import draw_plan
 from batchprefill.report.summary import print_plan_summary
 from batchprefill.settings import JobSettings
@@ -212,7 +214,10 @@ def plan_row(tally: Tally, model: ModelConfig, element_bytes: int, link_gbps: fl
 
 def plan_job(job: JobSettings) -> dict:
     """Prepare the job as a run would, tally every partition of every shard, write plan.parquet and plan.png."""
-    prepared = prepare_job(job)
+    refuse_beside_live_writer(job.output.dir, job.output.lease_seconds, "batchprefill-plan")
+    model = open_model(job.model)
+    check_adapters(job.model.adapters, model.config)  # what the run would refuse, refused before the run
+    prepared = prepare_job(job, model)
     block_size = job.engine.block_size
     tally = Tally()
     for part, num_rows in enumerate(prepared.manifest.partition_rows):

@@ -55,7 +55,10 @@ def prepare_job(job: JobSettings, model: ModelFiles | None = None) -> Prepared:
         check_head(job.task, get_task(job.task).head, model.config, model.folder)
     if (job.data.chat_template or job.data.columns.messages) and model.tokenizer.chat_template is None:
         asked = "data.chat_template=true" if job.data.chat_template else "a conversation column"
-        raise JobError(f"{asked} needs a chat template, but {model.folder} has none")
+        names = model.tokenizer.template_names
+        has = f"only named ones ({', '.join(names)}), none named default" if names else "none"
+        raise JobError(f"{asked} needs a chat template, but {model.folder} has {has} (looked for chat_template.jinja, "
+                       "additional_chat_templates/, chat_template.json and tokenizer_config.json's chat_template)")
     prepare_settings = PrepareSettings(
         columns=job.data.columns, chat_template=job.data.chat_template, order=job.data.order,
         block_size=job.engine.block_size, max_prompt_tokens=_max_prompt_tokens(job, model.config),

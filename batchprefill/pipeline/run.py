@@ -21,6 +21,7 @@ from batchprefill.io.results import Outcome, ResultWriter, done_ids
 from batchprefill.model.loader import dtype_choice, resolve_device
 from batchprefill.model.quantization import job_quantization
 from batchprefill.pipeline.build_engine import JobModel, build_engine, engine_on, structured_outputs
+from batchprefill.pipeline.job_record import check_same_job
 from batchprefill.pipeline.manifest import PARTITION_SCHEMA, partition_path, partition_records, read_partition
 from batchprefill.pipeline.order import assign_shards
 from batchprefill.pipeline.prepare import Prepared, prepare_job
@@ -55,7 +56,7 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     prepared = prepare_job(job, model.files if model else None)
     out, sharding = job.output.dir, job.data.sharding
     results_dir = out / "results"
-    skip = _committed_ids(job, results_dir)
+    skip = _committed_ids(job, prepared, results_dir)
     mine = _shard_partitions(job, prepared)
     output_tokens, constrained = _shard_demand(job, prepared, mine)
     structured = structured_outputs(job, prepared) if constrained else None  # before the model: a bad schema fails fast
@@ -91,17 +92,20 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     figure = write_run_figure(stats_folder, "batchprefill") if job.output.plot else None
     quantization = job_quantization(prepared.model.config.quantization, job.model.quantization)
     precision = dtype_choice(job.model.dtype, resolve_device(job.engine.device), quantization)
-    print_run_summary(stats, out, figure, precision)
+    print_run_summary(stats, out, figure, precision, job.output.temporary)
     return stats
 
 
-def _committed_ids(job: JobSettings, results_dir) -> set:
-    """Ids an earlier run into this output folder already committed, which this run skips; with sampling.n > 1,
-    the (id, sample_index) pairs committed (a row runs again unless all its samples are in)."""
+def _committed_ids(job: JobSettings, prepared: Prepared, results_dir) -> set:
+    """Ids an earlier run of this same job (job_record.py) into this output folder already committed, which this
+    run skips; with sampling.n > 1, the (id, sample_index) pairs committed (a row runs again unless all its samples
+    are in)."""
     if job.output.resume:
+        check_same_job(job, prepared, results_dir)
         return done_ids(results_dir, job.data.columns.id, job.sampling.n > 1)
     if any(results_dir.glob("part-*.parquet")):
         raise JobError(f"{results_dir} already holds results and output.resume=false: choose another output.dir")
+    check_same_job(job, prepared, results_dir)
     return set()
 
 

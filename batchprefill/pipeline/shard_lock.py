@@ -231,6 +231,20 @@ class ShardLock:
             staging.unlink(missing_ok=True)
 
 
+def refuse_beside_live_writer(out: Path, lease_seconds: float, command: str) -> None:
+    """A command that rewrites what a run reads (the plan remakes `partitions/` for its settings) refuses an
+    output.dir that a live run of any shard is writing, naming that run, as a second run would be refused."""
+    folder = out / LEASE_FOLDER
+    probe = ShardLock(folder, Sharding(1, 0), f"output.dir={out}", lease_seconds)
+    for path in sorted(folder.glob("shard-*-of-*.json")):
+        current = probe._read(path)
+        if current is not None and current[0] is not None and not probe._gone(*current):
+            holder, age = current
+            raise JobError(f"output.dir={out} is being written by a live run: {holder.describe()} (lease renewed "
+                           f"{max(age, 0):.0f} s ago); {command} would remake the partitions it reads: wait for it "
+                           "to finish, or give this command another output.dir")
+
+
 @contextmanager
 def sole_writer(out: Path, sharding: Sharding, lease_seconds: float) -> Iterator[ShardLock]:
     """This run as the one live writer of its shard of `out`, before anything is tokenized: a live holder ends it

@@ -20,6 +20,7 @@ from batchprefill.pipeline.manifest import PrepareSettings
 from batchprefill.pipeline.token_ids import given_token_ids, prompt_too_long
 from batchprefill.tasks import get_task
 from batchprefill.tasks.base import PromptBatch
+from batchprefill.units import a_type
 
 # Threads that tokenize record batches. The tokenizer spreads each call over every core by itself; a second
 # thread keeps those cores fed while the first holds the GIL to turn its output into arrays.
@@ -168,7 +169,7 @@ def _prompt_error(prompt) -> str | None:
     if prompt is None:
         return "prompt is null"
     if not isinstance(prompt, str):
-        return f"prompt is a {type(prompt).__name__}, not a string"
+        return f"prompt is {a_type(prompt)}, not a string"
     if not prompt or prompt.isspace():
         return "prompt is empty or whitespace only"
     return None

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchprefill.io.atomic import save_png
+from batchprefill.units import counted
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -117,7 +118,8 @@ def draw_run(stats: Path, path: Path) -> None:
         _budget(axes[1, 0], bins, job)
         _groups(axes[1, 1], groups)
         shards = f" in {job['num_shards']} shards" if job.get("num_shards") else ""
-        figure.suptitle(f"batchprefill run: {job['num_requests']:,} requests ({job['num_errors']:,} errors){shards}, "
+        tally = f"{counted(job['num_requests'], 'request')} ({counted(job['num_errors'], 'error')})"
+        figure.suptitle(f"batchprefill run: {tally}{shards}, "
                         f"{steps.num_rows:,} engine steps, {job['wall_seconds']:.1f} s")
         save_png(figure, path)
     finally:

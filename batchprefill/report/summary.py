@@ -5,20 +5,24 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from batchprefill.units import readable_bytes
+from batchprefill.units import counted, readable_bytes
 
 
-def print_run_summary(job: dict, out: Path, figure: Path | None, precision: str) -> None:
+def print_run_summary(job: dict, out: Path, figure: Path | None, precision: str, temporary: bool = False) -> None:
     """The job's statistics row (report.stats.job_row) in a few sentences, the precision it ran in and why
-    (`model.loader.dtype_choice`), and where its files and figure are."""
+    (`model.loader.dtype_choice`), and where its files and figure are; a job in a temporary folder (the Python API
+    without output.dir) names none, as the folder is gone when the call returns."""
+    where = ("The results are returned; their temporary folder is removed." if temporary
+             else f"Results and statistics are in {out}.")
     print(
-        f"batchprefill: {job['num_requests']} requests ({job['num_errors']} errors) in {job['wall_seconds']:.1f} s, "
+        f"batchprefill: {counted(job['num_requests'], 'request')} ({counted(job['num_errors'], 'error')}) "
+        f"in {job['wall_seconds']:.1f} s, "
         f"in {precision}. "
         f"Of {job['prompt_tokens']} prompt tokens, {job['cached_tokens']} came from the prefix cache "
         f"({job['cache_hit_rate']:.1%}) and {job['computed_prompt_tokens']} were computed "
         f"({job['prefill_tokens_per_second']:.0f} tokens/s); {job['output_tokens']} tokens were generated "
         f"({job['output_tokens_per_second']:.1f} tokens/s). {job['evicted_blocks']} blocks were evicted and "
-        f"{job['preemptions']} requests preempted. Results and statistics are in {out}."
+        f"{job['preemptions']} requests preempted. {where}"
         + (f"\nbatchprefill: the run at a glance: {figure}" if figure else ""),
         file=sys.stderr,
     )

@@ -23,6 +23,7 @@ from batchprefill.errors import JobError
 from batchprefill.model.tokenizer import ENCODE_ROWS
 from batchprefill.sampling_params import SamplingParams
 from batchprefill.tasks.base import OrderedRows, PromptBatch
+from batchprefill.units import a_type
 
 SCORE_SAMPLING = SamplingParams(max_tokens=0)  # a scored request samples nothing
 CHOICES = "_bp_choices"  # each choice's token ids after the context
@@ -177,7 +178,7 @@ def _choices_error(choices) -> str | None:
     if choices is None:
         return "choices is null"
     if not isinstance(choices, list) or not choices:
-        return "choices is empty" if isinstance(choices, list) else f"choices is a {type(choices).__name__}"
+        return "choices is empty" if isinstance(choices, list) else f"choices is {a_type(choices)}"
     for index, choice in enumerate(choices):
         if choice is None:
             return f"choices[{index}] is null"
