@@ -154,19 +154,27 @@ def _engine(cfg: DictConfig) -> EngineSettings:
     e = cfg.engine
     _require(e.block_size >= 1 and (e.block_size & (e.block_size - 1)) == 0,
              f"engine.block_size={e.block_size}: must be a power of two")
-    _require(e.max_batched_tokens >= 1, f"engine.max_batched_tokens={e.max_batched_tokens}: must be >= 1")
-    _require(e.max_num_seqs >= 1, f"engine.max_num_seqs={e.max_num_seqs}: must be >= 1")
     _require(e.kv_cache_tokens is None or e.kv_cache_tokens >= e.block_size,
              f"engine.kv_cache_tokens={e.kv_cache_tokens}: must hold at least one block")
     return EngineSettings(
         device=str(e.device), attention_backend=str(e.attention_backend), block_size=int(e.block_size),
-        max_batched_tokens=int(e.max_batched_tokens), max_num_seqs=int(e.max_num_seqs),
+        max_batched_tokens=_count_or_auto("engine.max_batched_tokens", e.max_batched_tokens),
+        max_num_seqs=_count_or_auto("engine.max_num_seqs", e.max_num_seqs),
         kv_cache_tokens=None if e.kv_cache_tokens is None else int(e.kv_cache_tokens),
         prefix_caching=bool(e.prefix_caching), kv_cache_dtype=str(e.kv_cache_dtype),
         cache_namespace=str(e.cache_namespace), reserve_output_blocks=bool(e.reserve_output_blocks),
         num_threads=int(e.num_threads) if e.num_threads else None, cuda_graphs=bool(e.cuda_graphs),
         batch_invariant=bool(e.batch_invariant),
     )
+
+
+def _count_or_auto(key: str, value: object) -> int | str:
+    """A positive whole number, or "auto" (pipeline/engine_sizes.py picks it once the device is known)."""
+    if value == "auto":
+        return "auto"
+    _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+             f"{key}={value!r}: give a whole number >= 1 or auto")
+    return int(value)
 
 
 def _sampling(cfg: DictConfig) -> SamplingParams:

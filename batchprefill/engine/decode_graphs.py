@@ -19,7 +19,9 @@ import torch
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.model.decoder import DecoderModel
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+# Up to 1,024: engine.max_num_seqs=auto picks that on a large GPU (pipeline/engine_sizes.py).
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832,
+               896, 960, 1024)
 HEAD_ROWS = 4  # the staged head: token ids, positions, slots, sequence lengths, one row of `size` each
 
 

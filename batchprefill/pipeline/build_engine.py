@@ -20,6 +20,7 @@ from batchprefill.model.config import ModelConfig
 from batchprefill.model.families.base import GatedMLP
 from batchprefill.model.loader import LoadedModel, load_model, make_ops, resolve_device, resolve_dtype
 from batchprefill.model.tokenizer import PromptTokenizer
+from batchprefill.pipeline.engine_sizes import ceiling_num_seqs, resolve_sizes
 from batchprefill.pipeline.prepare import ModelFiles, Prepared
 from batchprefill.settings import JobSettings
 
@@ -52,14 +53,14 @@ def structured_outputs(job: JobSettings, prepared: Prepared) -> StructuredOutput
             grammars.compile(constraint)
         except GrammarError as error:
             raise JobError(f"sampling.{constraint.kind}: {error}; fix the constraint") from None
-    return StructuredOutputs(grammars, job.engine.max_num_seqs)
+    return StructuredOutputs(grammars, ceiling_num_seqs(job.engine, resolve_device(job.engine.device)))
 
 
 def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int,
-                 structured: StructuredOutputs | None = None) -> Engine:
+                 structured: StructuredOutputs | None = None, typical_request_tokens: int | None = None) -> Engine:
     """Load the model on the chosen device and backend, size the KV pool, and build the engine around them."""
     model = load_job_model(job, prepared.model)
-    return engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured)
+    return engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured, typical_request_tokens)
 
 
 def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
@@ -89,15 +90,19 @@ def attach_job_adapters(job: JobSettings, loaded: LoadedModel, config: ModelConf
 
 
 def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tokens_needed: int,
-              structured: StructuredOutputs | None = None) -> Engine:
+              structured: StructuredOutputs | None = None, typical_request_tokens: int | None = None) -> Engine:
     """An engine on a loaded model with a KV pool sized for `tokens_needed` (batchprefill-eval builds one per
-    batch of lm-eval requests, on one model)."""
-    settings, model_config = job.engine, model.config
+    batch of lm-eval requests, on one model); engine.*=auto sizes are picked here, from the pool and
+    `typical_request_tokens` (a request's mean prompt plus outputs; None: not known)."""
+    model_config = model.config
     loaded, device, dtype, kv_dtype = model.loaded, model.device, model.dtype, model.kv_dtype
+    num_blocks = pool_blocks(model_config, kv_dtype, device, job.engine.block_size,
+                             ceiling_num_seqs(job.engine, device), job.engine.kv_cache_tokens, tokens_needed)
+    sizes = resolve_sizes(job.engine, device, num_blocks, typical_request_tokens)
+    settings = sizes.settings
     graphs = settings.cuda_graphs and device.type == "cuda" and model.graph_safe_decode
-    num_blocks = pool_blocks(model_config, kv_dtype, device, settings.block_size, settings.max_num_seqs,
-                             settings.kv_cache_tokens, tokens_needed)
-    config = EngineConfig(settings, num_blocks, padded_decode="graphs" if graphs else "off")
+    config = EngineConfig(settings, num_blocks, padded_decode="graphs" if graphs else "off",
+                          sizes_summary=sizes.summary)
     scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
              model_config.layer_windows, settings.block_size, model.adapter_scope)
     return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured)

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request
 from batchprefill.errors import JobError
+from batchprefill.intmath import cdiv
 from batchprefill.io.atomic import write_records
 from batchprefill.io.columns import ROW
 from batchprefill.io.formats import input_format
@@ -59,8 +60,10 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     output_tokens, constrained = _shard_demand(job, prepared, mine)
     structured = structured_outputs(job, prepared) if constrained else None  # before the model: a bad schema fails fast
     tokens_needed = _tokens_needed(job, task, prepared, mine, output_tokens)
-    engine = (engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured) if model
-              else build_engine(job, prepared, tokens_needed, structured))
+    rows = sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n
+    typical = cdiv(tokens_needed, rows) if rows else None  # a request's mean KV need: what engine.*=auto fits
+    engine = (engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured, typical) if model
+              else build_engine(job, prepared, tokens_needed, structured, typical))
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds,
                           _result_fields(job, task), lock.check)
@@ -87,7 +90,8 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     if sharding.num_shards == 1:  # shards: the merge finishes the outputs
         input_format(job.data.format).finish_outputs(out, job.model.name, prepared.model.tokenizer.decode_one)
     figure = write_run_figure(stats_folder, "batchprefill") if job.output.plot else None
-    print_run_summary(stats, out, figure, dtype_choice(job.model.dtype, resolve_device(job.engine.device)))
+    print_run_summary(stats, out, figure, dtype_choice(job.model.dtype, resolve_device(job.engine.device)),
+                      engine.config.sizes_summary)
     return stats
 
 
