@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from batchprefill.engine.config import EngineSettings
 from batchprefill.engine.decode_graphs import BATCH_SIZES
+from batchprefill.engine.model_runner import ModelRunner
 from batchprefill.errors import JobError
 from batchprefill.pipeline.engine_sizes import ceiling_num_seqs, resolve_sizes
 from batchprefill.pipeline.run import run_job
@@ -91,7 +92,12 @@ def test_every_sequence_count_auto_starts_from_is_a_captured_graph_size():
     assert all(later - earlier <= 64 for earlier, later in zip(BATCH_SIZES, BATCH_SIZES[1:]))  # padding <= 64 rows
 
 
-def test_a_cpu_job_at_the_defaults_runs_256_by_2048_and_its_summary_says_auto_chose_them(tmp_path, capsys):
+def test_a_cpu_job_at_the_defaults_runs_256_by_2048_and_its_summary_says_auto_chose_them(tmp_path, capsys,
+                                                                                         monkeypatch):
+    def no_warm_up_on_the_cpu(runner, *args):
+        raise AssertionError("the kernel warm-up ran on the CPU")
+
+    monkeypatch.setattr(ModelRunner, "warm_up", no_warm_up_on_the_cpu)
     data = tmp_path / "in.parquet"
     pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["The capital of France is", "Bees make"]}), data)
     job = job_settings(f"data.input={data}", f"output.dir={tmp_path / 'out'}", "engine.device=cpu",

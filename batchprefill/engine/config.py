@@ -37,4 +37,7 @@ class EngineConfig:
     settings: EngineSettings
     num_blocks: int  # the KV pool, sized from the model, the device's free memory and what the job needs
     padded_decode: str = "off"  # "graphs" on CUDA: decode-only steps replay captured CUDA graphs
+    # On CUDA: while the device runs a step the host schedules and prepares the next, reading a step's tokens only
+    # after the next is launched (engine.py: the overlapped loop); tests turn it on to run that loop on the CPU.
+    overlap: bool = False
     sizes_summary: str = ""  # what engine.*=auto chose and why, for the run's summary ("" when nothing was auto)

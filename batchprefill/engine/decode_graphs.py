@@ -22,7 +22,9 @@ from batchprefill.model.decoder import DecoderModel
 # Up to 1,024: engine.max_num_seqs=auto picks that on a large GPU (pipeline/engine_sizes.py).
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832,
                896, 960, 1024)
-HEAD_ROWS = 4  # the staged head: token ids, positions, slots, sequence lengths, one row of `size` each
+# The staged head, one row of `size` each: token ids, positions, slots, sequence lengths, and the row of the last
+# step's sampled tokens (`previous`) each id is taken from instead (-1: its staged id), for the overlapped loop.
+HEAD_ROWS = 5
 
 
 class PaddedDecode:
@@ -42,6 +44,7 @@ class PaddedDecode:
         self.block_tables = torch.zeros(largest, self.width, **int32)
         self.query_start = torch.arange(largest + 1, **int32)
         self.rows = torch.arange(largest, dtype=torch.int64, device=device)
+        self.previous = torch.zeros(largest, dtype=torch.int64, device=device)  # the last step's sampled tokens
         capacity = HEAD_ROWS * largest + largest * self.width
         self._pinned = device.type == "cuda"
         self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=self._pinned)
@@ -66,6 +69,8 @@ class PaddedDecode:
         head = self._staged[: HEAD_ROWS * size].view(HEAD_ROWS, size)
         self.longs[:, :size].copy_(head[:3])
         self.seq_lens[:size].copy_(head[3])
+        sources, ids = head[4], self.longs[0, :size]
+        ids.copy_(torch.where(sources >= 0, self.previous[sources.clamp(min=0).long()], ids))
         return self.model(self.longs[0, :size], self.longs[1, :size], self.kv_caches, self._meta(size),
                           self.rows[:size])
 
@@ -73,7 +78,7 @@ class PaddedDecode:
         pool = torch.cuda.graph_pool_handle()
         nothing = np.zeros(0, dtype=np.int64)
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-            self._stage(size, nothing, nothing, nothing, nothing, np.zeros((0, 0), dtype=np.int32))
+            self._stage(size, nothing, nothing, nothing, nothing, nothing, np.zeros((0, 0), dtype=np.int32))
             self._forward(size)  # compile and warm every kernel outside the capture, on padding rows only
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
@@ -82,7 +87,7 @@ class PaddedDecode:
             self.graphs[size] = (graph, logits)
 
     def _stage(self, size: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-               seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+               seq_lens: np.ndarray, sources: np.ndarray, block_tables: np.ndarray) -> None:
         """Write one step into the host buffer (rows past the batch are padding) and copy it over at once."""
         batch, width = block_tables.shape
         if width > self.width:
@@ -91,7 +96,8 @@ class PaddedDecode:
             self._copied.synchronize()
         host = self._host.numpy()
         head = host[: HEAD_ROWS * size].reshape(HEAD_ROWS, size)
-        for row, values, pad in zip(head, (input_ids, positions, slots, seq_lens), (0, 0, -1, 1), strict=True):
+        for row, values, pad in zip(head, (input_ids, positions, slots, seq_lens, sources), (0, 0, -1, 1, -1),
+                                    strict=True):
             row[:batch] = values
             row[batch:] = pad
         end = HEAD_ROWS * size + batch * width
@@ -103,11 +109,18 @@ class PaddedDecode:
         self.block_tables[:batch, :width].copy_(self._staged[HEAD_ROWS * size : end].view(batch, width))
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            block_tables: np.ndarray) -> torch.Tensor:
-        """Logits `[batch, vocab]` for one decode token per sequence; `block_tables` is [batch, width]."""
+            block_tables: np.ndarray, gather_rows: np.ndarray | None = None, gather_sources: np.ndarray | None = None,
+            previous: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `[batch, vocab]` for one decode token per sequence; `block_tables` is [batch, width]. Rows
+        `gather_rows` take their token from `previous` (the last step's sampled tokens, on the device) at
+        `gather_sources` instead of `input_ids` (the overlapped loop)."""
         batch = len(input_ids)
         size = next(s for s in self.sizes if s >= batch)
-        self._stage(size, input_ids, positions, slots, seq_lens, block_tables)
+        sources = np.full(batch, -1, dtype=np.int64)
+        if gather_rows is not None and len(gather_rows):
+            sources[gather_rows] = gather_sources
+            self.previous[: len(previous)].copy_(previous)
+        self._stage(size, input_ids, positions, slots, seq_lens, sources, block_tables)
         if size in self.graphs:
             graph, logits = self.graphs[size]
             graph.replay()

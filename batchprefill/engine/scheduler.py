@@ -162,6 +162,9 @@ class Scheduler:
         reserved = self._reserved() if self.reserve_growth else 0
         while self.waiting and budget > 0 and len(self.running) + self.fork_slots < self.max_num_seqs:
             request = self.waiting.popleft()
+            if request.pending_sample >= 0:  # preempted with its last token still on the device: it waits for it
+                self.waiting.appendleft(request)
+                break
             if self.running and len(self.running) + self.fork_slots + 1 + len(request.forks) > self.max_num_seqs:
                 self.waiting.appendleft(request)  # no slots for its children yet; alone, they wait instead
                 break
@@ -202,10 +205,13 @@ class Scheduler:
 
     # ---- after the forward pass -----------------------------------------------------------------
     def commit(self, step: SchedulerOutput) -> None:
-        """Advance computed counts and cache every block that is now full."""
+        """Advance computed counts and cache every block that is now full. A request that finished while the step
+        ran (the overlapped loop learns of an end a step late) has given its blocks back: its chunk is dropped."""
         size, register = self.block_size, self.prefix_cache.register
         for chunk in step.chunks:
             request = chunk.request
+            if request.status is Status.FINISHED:
+                continue
             before = request.num_computed_tokens // size
             request.num_computed_tokens += chunk.num_tokens
             if request.num_computed_tokens // size > before:

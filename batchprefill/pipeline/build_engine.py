@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.grammar import Grammars
 from batchprefill.engine.kv_cache import pool_blocks
+from batchprefill.engine.model_runner import say_nothing
 from batchprefill.engine.structured import StructuredOutputs
 from batchprefill.errors import JobError
 from batchprefill.malloc import keep_freed_memory
@@ -57,10 +59,13 @@ def structured_outputs(job: JobSettings, prepared: Prepared) -> StructuredOutput
 
 
 def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int,
-                 structured: StructuredOutputs | None = None, typical_request_tokens: int | None = None) -> Engine:
+                 structured: StructuredOutputs | None = None, typical_request_tokens: int | None = None,
+                 on_phase: Callable[[str], None] = say_nothing) -> Engine:
     """Load the model on the chosen device and backend, size the KV pool, and build the engine around them."""
+    on_phase("loading the model")
     model = load_job_model(job, prepared.model)
-    return engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured, typical_request_tokens)
+    return engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured, typical_request_tokens,
+                     on_phase)
 
 
 def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
@@ -90,10 +95,12 @@ def attach_job_adapters(job: JobSettings, loaded: LoadedModel, config: ModelConf
 
 
 def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tokens_needed: int,
-              structured: StructuredOutputs | None = None, typical_request_tokens: int | None = None) -> Engine:
+              structured: StructuredOutputs | None = None, typical_request_tokens: int | None = None,
+              on_phase: Callable[[str], None] = say_nothing) -> Engine:
     """An engine on a loaded model with a KV pool sized for `tokens_needed` (batchprefill-eval builds one per
     batch of lm-eval requests, on one model); engine.*=auto sizes are picked here, from the pool and
-    `typical_request_tokens` (a request's mean prompt plus outputs; None: not known)."""
+    `typical_request_tokens` (a request's mean prompt plus outputs; None: not known). On a GPU the engine compiles
+    its kernels and captures its graphs before the first step, telling `on_phase` (the progress bar)."""
     model_config = model.config
     loaded, device, dtype, kv_dtype = model.loaded, model.device, model.dtype, model.kv_dtype
     num_blocks = pool_blocks(model_config, kv_dtype, device, job.engine.block_size,
@@ -102,7 +109,7 @@ def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tok
     settings = sizes.settings
     graphs = settings.cuda_graphs and device.type == "cuda" and model.graph_safe_decode
     config = EngineConfig(settings, num_blocks, padded_decode="graphs" if graphs else "off",
-                          sizes_summary=sizes.summary)
+                          overlap=device.type == "cuda", sizes_summary=sizes.summary)
     scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
              model_config.layer_windows, settings.block_size, model.adapter_scope)
-    return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured)
+    return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured, on_phase)

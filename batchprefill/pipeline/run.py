@@ -62,15 +62,20 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     tokens_needed = _tokens_needed(job, task, prepared, mine, output_tokens)
     rows = sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n
     typical = cdiv(tokens_needed, rows) if rows else None  # a request's mean KV need: what engine.*=auto fits
-    engine = (engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured, typical) if model
-              else build_engine(job, prepared, tokens_needed, structured, typical))
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds,
                           _result_fields(job, task), lock.check)
     totals = JobTotals(adapter_names=[None, *sorted(job.model.adapters)])
-    bar = tqdm(total=sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n, desc=job.task,
-               unit="req",
-               disable=not job.output.progress)
+    # The bar before the engine: it says what start-up does (loading, on a GPU compiling kernels and capturing graphs).
+    bar = tqdm(total=rows, desc=job.task, unit="req", disable=not job.output.progress)
+    try:
+        engine = (engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured, typical,
+                            bar.set_description) if model
+                  else build_engine(job, prepared, tokens_needed, structured, typical, bar.set_description))
+    except BaseException:
+        bar.close()
+        raise
+    bar.set_description(job.task)
     stop, previous_handler = _trap_sigterm()
     try:
         _drive(engine, _requests(task, job, prepared, mine, skip, writer, totals, bar, stop), task, writer, totals,
