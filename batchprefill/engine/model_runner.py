@@ -57,8 +57,8 @@ class ModelRunner:
         Triton compiles. One forward over a chunk from scratch, a chunk after a cached context and two decodes, then
         one over a `long_chunk`-token chunk (the other prefill tile), and a greedy pick; every slot is -1, so
         nothing is written to the pool (the padded decode path warms its own kernels as it captures)."""
-        size = self.block_size
-        for query_lens, contexts in (([5, 3, 1, 1], [0, size, 2 * size, 3]), ([long_chunk], [0])):
+        size, longest = self.block_size, self.model.config.max_positions
+        for query_lens, contexts in (([5, 3, 1, 1], [0, size, 2 * size, 3]), ([min(long_chunk, longest)], [0])):
             query_lens, contexts = np.array(query_lens), np.array(contexts)
             seq_lens = contexts + query_lens
             query_start = np.concatenate([[0], np.cumsum(query_lens)])
