@@ -5,6 +5,7 @@ under the interpreter, on a tiny random Llama."""
 import torch
 
 import batchprefill.kernels.triton.ops as triton_ops
+from batchprefill.engine import model_runner
 from batchprefill.engine.config import EngineConfig, EngineSettings
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.model_runner import ModelRunner
@@ -23,6 +24,15 @@ def test_the_warm_up_runs_prefill_and_decode_kernels_and_leaves_the_pool_all_zer
     runner.warm_up(long_chunk=20)
     # the mixed pass: the prefill kernel (two chunks) and the decode kernel (two decodes); the long chunk: prefill
     assert launched == ["prefill_attention", "decode_attention", "prefill_attention"]
+    assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
+
+
+def test_where_kernels_compile_the_runner_warms_up_before_its_padded_decode_and_says_so(monkeypatch):
+    phases = []
+    monkeypatch.setattr(model_runner, "compiles_kernels", lambda device: True)  # as on a GPU
+    runner = ModelRunner(tiny_llama(TritonOps()), num_blocks=8, block_size=8, kv_dtype=torch.float32,
+                         device=torch.device("cpu"), padded_decode="eager", max_num_seqs=4, on_phase=phases.append)
+    assert phases == ["compiling kernels"] and runner.decoder is not None  # "capturing graphs" only with graphs
     assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
 
 

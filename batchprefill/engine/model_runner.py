@@ -24,6 +24,11 @@ def say_nothing(phase: str) -> None:
     pass
 
 
+def compiles_kernels(device: torch.device) -> bool:
+    """Whether this device's first steps would compile kernels (Triton's, on a GPU): then start-up warms them."""
+    return device.type == "cuda"
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, padded_decode: str = "off", max_num_seqs: int = 256,
@@ -38,10 +43,10 @@ class ModelRunner:
         self._staging = torch.empty(0, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._staged: torch.cuda.Event | None = None  # the last copy out of `_staging`
         self._argmax = argmax_for(device)
-        if device.type == "cuda":
+        self.decoder = None
+        if compiles_kernels(device):
             on_phase("compiling kernels")
             self.warm_up()
-        self.decoder = None
         if padded_decode != "off" and not model.adapters:  # the padded buffers and graphs hold no adapter deltas
             if padded_decode == "graphs":
                 on_phase("capturing graphs")
@@ -74,7 +79,10 @@ class ModelRunner:
                                                                           np.int32),
                 logits_rows=rows, sampled=np.arange(len(rows)), sampling=greedy, prefilled=np.zeros(0, np.int64),
                 token_adapters=np.zeros(len(positions), np.int32))
-            self.sample_on_device(self.forward(inputs), greedy)
+            if self.model.lm_head is None:  # a classifier's or embedder's model makes hidden states only
+                self._hidden(inputs, rows)
+            else:
+                self.sample_on_device(self.forward(inputs), greedy)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
