@@ -4,6 +4,7 @@ CUDA; here `EngineConfig.overlap` forces it on the CPU, on a tiny random Llama i
 extra step a finished request stays in cannot change anyone's floats)."""
 
 import dataclasses
+import gc
 import random
 
 import pytest
@@ -105,3 +106,11 @@ def test_padded_decode_steps_gather_their_input_ids_from_the_last_steps_tokens_o
         results.append({r.request_id: (r.output_token_ids, r.finish_reason)
                         for r in engine.generate(requests(6, 5, lengths=(3, 6)))})
     assert results[1] == results[0]
+
+
+def test_the_loop_runs_with_the_start_up_heap_frozen_out_of_the_garbage_collector_and_thaws_it_after(model):
+    config = EngineConfig(EngineSettings(block_size=8, max_num_seqs=4, max_batched_tokens=64), 40, overlap=True)
+    engine = Engine(model, config, letters, ("tiny",), torch.float32, torch.device("cpu"))
+    before = gc.get_freeze_count()
+    frozen = [gc.get_freeze_count() for _ in engine.generate(requests(3, 1, lengths=(2,)))]
+    assert len(frozen) == 3 and min(frozen) > before and gc.get_freeze_count() == before

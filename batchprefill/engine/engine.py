@@ -23,6 +23,7 @@ synchronously. It gives the same tokens as the synchronous loop (tests/test_over
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -363,20 +364,29 @@ class Engine:
                 finished.append(child)
 
     def generate(self, requests: Iterable[Request], lookahead: int | None = None) -> Iterator[Request]:
-        """Feed requests in their given order, keeping only `lookahead` waiting, and yield them as they finish."""
+        """Feed requests in their given order, keeping only `lookahead` waiting, and yield them as they finish.
+
+        While it runs, what the process held before (modules, the model, the tokenizer: about 274,000 objects once
+        the shipped model is loaded) is frozen out of the cyclic garbage collector: a full collection over them took
+        120-175 ms on a loaded 2-core machine, a pause that lands in whichever step triggers it (vLLM freezes its
+        start-up heap too). They are thawed when it ends."""
         lookahead = lookahead or 2 * self.config.settings.max_num_seqs
         pending = iter(requests)
         exhausted = False
-        while True:
-            while not exhausted and len(self.scheduler.waiting) < lookahead:
-                request = next(pending, None)
-                if request is None:
-                    exhausted = True
-                else:
-                    self.add(request)
-            if not self.has_work():
-                return
-            yield from self.step()
+        gc.freeze()
+        try:
+            while True:
+                while not exhausted and len(self.scheduler.waiting) < lookahead:
+                    request = next(pending, None)
+                    if request is None:
+                        exhausted = True
+                    else:
+                        self.add(request)
+                if not self.has_work():
+                    return
+                yield from self.step()
+        finally:
+            gc.unfreeze()
 
     def _release(self, request: Request) -> None:
         if self.structured is not None:
