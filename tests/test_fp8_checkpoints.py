@@ -310,4 +310,5 @@ def test_a_job_with_model_quantization_fp8_runs_the_quantized_weights_and_says_s
     refused = run_cli([sys.executable, "-m", "batchprefill.run", *common, "model.quantization=int4",
                        f"output.dir={tmp_path / 'refused'}"])
     lines = refused.stderr.strip().splitlines()
-    assert refused.returncode == 2 and len(lines) == 1 and "model.quantization=int4: choose fp8 or null" in lines[0], refused.stderr
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert "model.quantization=int4: choose fp8 or null" in lines[0]

@@ -7,18 +7,21 @@ One config travels from the settings to the engine: the settings as they were re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """The `engine` keys. The defaults are conf/config.yaml's, for engines built without a job (tests,
-    benchmarks); a job sets every field from its config."""
+    """The `engine` keys. The defaults are conf/config.yaml's as the CPU resolves them, for engines built without a
+    job (tests, benchmarks); a job sets every field from its config. `max_batched_tokens` and `max_num_seqs` may
+    be "auto" as read; the job replaces auto by numbers (pipeline/engine_sizes.py) before it builds an engine, so an
+    engine only sees ints."""
 
     device: str = "auto"
     attention_backend: str = "auto"
     block_size: int = 16
-    max_batched_tokens: int | str = 2048  # or "auto": sized to the device
-    max_num_seqs: int | str = 256  # or "auto"
+    max_batched_tokens: int | Literal["auto"] = 2048
+    max_num_seqs: int | Literal["auto"] = 256
     kv_cache_tokens: int | None = None
     prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
@@ -34,3 +37,7 @@ class EngineConfig:
     settings: EngineSettings
     num_blocks: int  # the KV pool, sized from the model, the device's free memory and what the job needs
     padded_decode: str = "off"  # "graphs" on CUDA: decode-only steps replay captured CUDA graphs
+    # On CUDA: while the device runs a step the host schedules and prepares the next, reading a step's tokens only
+    # after the next is launched (engine.py: the overlapped loop); tests turn it on to run that loop on the CPU.
+    overlap: bool = False
+    sizes_summary: str = ""  # what engine.*=auto chose and why, for the run's summary ("" when nothing was auto)

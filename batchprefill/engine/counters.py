@@ -20,13 +20,17 @@ class StepStats:
     reclaimable_blocks: int
     free_blocks: int
     duration_ms: float
-    # Where the step's time went, on the host's clock. On a GPU the forward only launches: its device time
-    # shows up in sample_ms, which waits for the logits.
+    # Where the step's time went, on the host's clock. On a GPU the forward only launches: in the synchronous loop
+    # its device time shows up in sample_ms, which waits for the tokens. In the overlapped loop (engine.py, on
+    # CUDA) nothing of this step waits for the device: the step's row is its iteration, whose wait and bookkeeping
+    # are those of the previous step's tokens, read after this step was launched; duration_ms is then the time
+    # from one launch to the next.
     schedule_ms: float
     prepare_ms: float
     forward_ms: float
     sample_ms: float
     bookkeeping_ms: float  # appending tokens, stop checks, finishing requests, this record
+    token_wait_ms: float  # the host blocked on the device for the overlapped loop's previous step's tokens
     # Running totals since the engine started: the run figure draws eviction and preemption marks and the running
     # cache hit rate (finished cached over finished prompt tokens, which ends at the job's cache_hit_rate) from them.
     evicted_blocks: int

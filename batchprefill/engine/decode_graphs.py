@@ -24,8 +24,12 @@ from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.shared_prefix import DecodeGroups
 from batchprefill.model.decoder import DecoderModel
 
-BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
-HEAD_ROWS = 4  # the staged head: token ids, positions, slots, sequence lengths, one row of `size` each
+# Up to 1,024: engine.max_num_seqs=auto picks that on a large GPU (pipeline/engine_sizes.py).
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832,
+               896, 960, 1024)
+# The staged head, one row of `size` each: token ids, positions, slots, sequence lengths, and the row of the last
+# step's sampled tokens (`previous`) each id is taken from instead (-1: its staged id), for the overlapped loop.
+HEAD_ROWS = 5
 
 
 def group_layout(size: int) -> tuple[int, int, int]:
@@ -35,6 +39,11 @@ def group_layout(size: int) -> tuple[int, int, int]:
     variant). Every group has 2 members or more (`Ops.group_decodes`), so size // 2 slots hold any step's."""
     slots, row_part = max(1, size // 2), -(-size // 4) * 4
     return slots, row_part, 2 * row_part + 4 * slots
+
+
+def groups_start(size: int) -> int:
+    """Where a padded batch's decode groups start in the staged buffer: after the head, 16 bytes aligned."""
+    return -(-HEAD_ROWS * size // 4) * 4
 
 
 class PaddedDecode:
@@ -56,7 +65,8 @@ class PaddedDecode:
         self.block_tables = torch.zeros(largest, self.width, **int32)
         self.query_start = torch.arange(largest + 1, **int32)
         self.rows = torch.arange(largest, dtype=torch.int64, device=device)
-        capacity = HEAD_ROWS * largest + group_layout(largest)[2] + largest * self.width
+        self.previous = torch.zeros(largest, dtype=torch.int64, device=device)  # the last step's sampled tokens
+        capacity = groups_start(largest) + group_layout(largest)[2] + largest * self.width
         self._pinned = device.type == "cuda"
         self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=self._pinned)
         self._staged = torch.empty(capacity, **int32)
@@ -69,7 +79,7 @@ class PaddedDecode:
         """Drop the graphs (their memory pool goes with them), the references to the KV pool and the buffers."""
         self.graphs.clear()
         self.kv_caches = []
-        self.longs = self.seq_lens = self.block_tables = self._staged = self._host = None
+        self.longs = self.seq_lens = self.block_tables = self.previous = self._staged = self._host = None
 
     def fits(self, batch: int) -> bool:
         return batch <= self.sizes[-1]
@@ -84,7 +94,8 @@ class PaddedDecode:
     def _groups(self, size: int) -> DecodeGroups:
         """The staged decode groups of a padded batch: views of the staged buffer, at fixed addresses per size."""
         slots, part, words = group_layout(size)
-        region = self._staged[HEAD_ROWS * size : HEAD_ROWS * size + words]
+        start = groups_start(size)
+        region = self._staged[start : start + words]
         return DecodeGroups(groups=region[2 * part :].view(slots, 4), members=region[part : part + size],
                             shared_lens=region[:size])
 
@@ -93,6 +104,8 @@ class PaddedDecode:
         head = self._staged[: HEAD_ROWS * size].view(HEAD_ROWS, size)
         self.longs[:, :size].copy_(head[:3])
         self.seq_lens[:size].copy_(head[3])
+        sources, ids = head[4], self.longs[0, :size]
+        ids.copy_(torch.where(sources >= 0, self.previous[sources.clamp(min=0).long()], ids))
         return self.model(self.longs[0, :size], self.longs[1, :size], self.kv_caches, self._meta(size),
                           self.rows[:size])
 
@@ -100,7 +113,7 @@ class PaddedDecode:
         pool = torch.cuda.graph_pool_handle()
         nothing = np.zeros(0, dtype=np.int64)
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
-            self._stage(size, nothing, nothing, nothing, nothing, np.zeros((0, 0), dtype=np.int32))
+            self._stage(size, nothing, nothing, nothing, nothing, nothing, np.zeros((0, 0), dtype=np.int32))
             self._forward(size)  # compile and warm every kernel outside the capture, on padding rows only
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
@@ -109,7 +122,7 @@ class PaddedDecode:
             self.graphs[size] = (graph, logits)
 
     def _stage(self, size: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-               seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+               seq_lens: np.ndarray, sources: np.ndarray, block_tables: np.ndarray) -> None:
         """Write one step into the host buffer (rows past the batch are padding) and copy it over at once."""
         batch, width = block_tables.shape
         if width > self.width:
@@ -118,10 +131,12 @@ class PaddedDecode:
             self._copied.synchronize()
         host = self._host.numpy()
         head = host[: HEAD_ROWS * size].reshape(HEAD_ROWS, size)
-        for row, values, pad in zip(head, (input_ids, positions, slots, seq_lens), (0, 0, -1, 1), strict=True):
+        for row, values, pad in zip(head, (input_ids, positions, slots, seq_lens, sources), (0, 0, -1, 1, -1),
+                                    strict=True):
             row[:batch] = values
             row[batch:] = pad
-        tables_start = HEAD_ROWS * size + self._stage_groups(host[HEAD_ROWS * size :], size, seq_lens, block_tables)
+        tables_start = groups_start(size) + self._stage_groups(host[groups_start(size) :], size, seq_lens,
+                                                               block_tables)
         end = tables_start + batch * width
         host[tables_start:end].reshape(batch, width)[:] = block_tables
         self._staged[:end].copy_(self._host[:end], non_blocking=True)
@@ -145,11 +160,18 @@ class PaddedDecode:
         return words
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            block_tables: np.ndarray) -> torch.Tensor:
-        """Logits `[batch, vocab]` for one decode token per sequence; `block_tables` is [batch, width]."""
+            block_tables: np.ndarray, gather_rows: np.ndarray | None = None, gather_sources: np.ndarray | None = None,
+            previous: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `[batch, vocab]` for one decode token per sequence; `block_tables` is [batch, width]. Rows
+        `gather_rows` take their token from `previous` (the last step's sampled tokens, on the device) at
+        `gather_sources` instead of `input_ids` (the overlapped loop)."""
         batch = len(input_ids)
         size = next(s for s in self.sizes if s >= batch)
-        self._stage(size, input_ids, positions, slots, seq_lens, block_tables)
+        sources = np.full(batch, -1, dtype=np.int64)
+        if gather_rows is not None and len(gather_rows):
+            sources[gather_rows] = gather_sources
+            self.previous[: len(previous)].copy_(previous)
+        self._stage(size, input_ids, positions, slots, seq_lens, sources, block_tables)
         if size in self.graphs:
             graph, logits = self.graphs[size]
             graph.replay()

@@ -9,7 +9,7 @@ Measured on benchmarks/host_overhead.py (256 decodes per step): see BENCHMARKS.m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,6 +36,10 @@ class ForwardInputs:
     # no logits row, so a prefill-only step never runs the LM head.
     prefilled: np.ndarray
     token_adapters: np.ndarray  # [T] int32: each token's LoRA adapter index (0: the base model)
+    # The overlapped loop's decodes whose input token is still on the device: their rows of `input_ids` (which hold
+    # 0 there) take the previous step's sampled token at `gather_sources`, gathered on the device.
+    gather_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    gather_sources: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def is_decode_only(self) -> bool:
@@ -87,7 +91,7 @@ class InputBatch:
         request's lists once (no property calls) and notes its token count for the sampled-row test; on
         benchmarks/host_overhead.py (255 sequences per step, one thread, a loaded machine) prepare went from
         0.64 to 0.46-0.51 ms."""
-        rows, starts, counts, totals, ids = [], [], [], [], []
+        rows, starts, counts, totals, ids, gathers = [], [], [], [], [], []
         num_blocks = self.num_blocks
         width = 0
         for chunk in step.chunks:
@@ -103,8 +107,12 @@ class InputBatch:
             start, count = request.num_computed_tokens, chunk.num_tokens
             outputs = request.output_token_ids
             total = len(request.prompt_token_ids) + len(outputs)
-            if count == 1 and outputs and start == total - 1:
-                ids.append(outputs[-1])  # a decode: the token sampled last step
+            if count == 1 and outputs and start == total - 1:  # a decode: the token sampled last step
+                if request.pending_sample >= 0:  # still on the device (the overlapped loop)
+                    gathers.append((len(ids), request.pending_sample))
+                    ids.append(0)
+                else:
+                    ids.append(outputs[-1])
             else:
                 ids.extend(request.tokens(start, start + count))
             rows.append(row)
@@ -134,4 +142,12 @@ class InputBatch:
             block_tables=self.block_table[rows_a, :width], logits_rows=query_start[1:][sampled] - 1,
             sampled=sampled, sampling=sampling, prefilled=np.flatnonzero(complete & ~samples),
             token_adapters=self.adapter[token_rows],
+            **_gathers(gathers),
         )
+
+
+def _gathers(gathers: list[tuple[int, int]]) -> dict[str, np.ndarray]:
+    if not gathers:
+        return {}
+    rows, sources = np.array(gathers, dtype=np.int64).T
+    return {"gather_rows": rows, "gather_sources": sources}

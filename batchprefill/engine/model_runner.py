@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -9,27 +11,47 @@ from batchprefill.engine.decode_graphs import PaddedDecode
 from batchprefill.engine.input_batch import ForwardInputs, InputBatch
 from batchprefill.engine.kv_cache import allocate_kv_caches
 from batchprefill.engine.request import Request
-from batchprefill.engine.sampler import SamplingBatch, argmax_for, sample
+from batchprefill.engine.sampler import SamplingBatch, argmax_for, sample, sample_on_device
 from batchprefill.engine.scheduler_output import SchedulerOutput
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.lora import LoraStep
 from batchprefill.model.decoder import DecoderModel
 
+WARM_UP_LONG_CHUNK = 512  # a chunk this long takes the prefill kernel's 128-row tiles (TritonOps._choose_block_m)
+
+
+def say_nothing(phase: str) -> None:
+    pass
+
+
+def compiles_kernels(device: torch.device) -> bool:
+    """Whether this device's first steps would compile kernels (Triton's, on a GPU): then start-up warms them."""
+    return device.type == "cuda"
+
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 device: torch.device, padded_decode: str = "off", max_num_seqs: int = 256):
-        """`padded_decode`: "off", "eager" (fixed padded buffers, no capture: for tests) or "graphs" (CUDA)."""
+                 device: torch.device, padded_decode: str = "off", max_num_seqs: int = 256,
+                 on_phase: Callable[[str], None] = say_nothing):
+        """`padded_decode`: "off", "eager" (fixed padded buffers, no capture: for tests) or "graphs" (CUDA).
+        `on_phase` hears what start-up is doing ("compiling kernels", "capturing graphs"): the progress bar."""
         self.model = model
         self.device = device
+        self.block_size = block_size
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_dtype, device)
         self.batch = InputBatch(max_num_seqs, model.config.max_positions, block_size)
+        self._staging = torch.empty(0, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._staged: torch.cuda.Event | None = None  # the last copy out of `_staging`
+        self._argmax = argmax_for(device)
         self.decoder = None
+        if compiles_kernels(device):
+            on_phase("compiling kernels")
+            self.warm_up()
         if padded_decode != "off" and not model.adapters:  # the padded buffers and graphs hold no adapter deltas
+            if padded_decode == "graphs":
+                on_phase("capturing graphs")
             self.decoder = PaddedDecode(model, self.kv_caches, block_size, max_num_seqs, device,
                                         capture=padded_decode == "graphs")
-        self._staging = torch.empty(0, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._argmax = argmax_for(device)
         # Whether `greedy_tokens` lets the model pick without making the logits: on the CPU (where reading them
         # back was most of the sampler's time). A GPU's argmax stays on the device after the logits, as before,
         # and so does the padded decode path, whose buffers (and CUDA graphs) hold logits.
@@ -45,21 +67,52 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def warm_up(self, long_chunk: int = WARM_UP_LONG_CHUNK) -> None:
+        """Compile the kernels before the first step: on an H200 the first 3 steps of a fresh machine spent 5 s in
+        Triton compiles. One forward over a chunk from scratch, a chunk after a cached context and two decodes, then
+        one over a `long_chunk`-token chunk (the other prefill tile), and a greedy pick; every slot is -1, so
+        nothing is written to the pool (the padded decode path warms its own kernels as it captures)."""
+        size, longest = self.block_size, self.model.config.max_positions
+        for query_lens, contexts in (([5, 3, 1, 1], [0, size, 2 * size, 3]), ([min(long_chunk, longest)], [0])):
+            query_lens, contexts = np.array(query_lens), np.array(contexts)
+            seq_lens = contexts + query_lens
+            query_start = np.concatenate([[0], np.cumsum(query_lens)])
+            positions = np.concatenate([np.arange(c, s) for c, s in zip(contexts, seq_lens)])
+            rows = query_start[1:] - 1
+            greedy = SamplingBatch(np.zeros(len(rows), np.float32), np.zeros(len(rows), np.int32),
+                                   np.ones(len(rows), np.float32), np.zeros(len(rows), np.uint64),
+                                   np.zeros(len(rows), np.int64))
+            inputs = ForwardInputs(
+                input_ids=np.zeros(len(positions), np.int64), positions=positions,
+                slot_mapping=np.full(len(positions), -1, np.int64), query_start=query_start.astype(np.int32),
+                seq_lens=seq_lens.astype(np.int32), block_tables=np.zeros((len(rows), -(-seq_lens.max() // size)),
+                                                                          np.int32),
+                logits_rows=rows, sampled=np.arange(len(rows)), sampling=greedy, prefilled=np.zeros(0, np.int64),
+                token_adapters=np.zeros(len(positions), np.int32))
+            if self.model.lm_head is None:  # a classifier's or embedder's model makes hidden states only
+                self._hidden(inputs, rows)
+            else:
+                self.sample_on_device(self.forward(inputs), greedy)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def release(self, request: Request) -> None:
         self.batch.release(request)
 
     def prepare(self, step: SchedulerOutput) -> ForwardInputs:
         return self.batch.prepare(step)
 
-    def forward(self, inputs: ForwardInputs, extra_rows: np.ndarray | None = None) -> torch.Tensor:
+    def forward(self, inputs: ForwardInputs, extra_rows: np.ndarray | None = None,
+                previous: torch.Tensor | None = None) -> torch.Tensor:
         """Logits `[R + E, vocab]` for the step's sampled rows, then for `extra_rows` of the flat batch (the rows
-        that readouts read)."""
+        that readouts read). `previous`: the last step's sampled tokens on the device, which `inputs.gather_rows`
+        take (the overlapped loop)."""
         rows = inputs.logits_rows if extra_rows is None else np.concatenate([inputs.logits_rows, extra_rows])
         if (extra_rows is None and self.decoder and inputs.is_decode_only
                 and self.decoder.fits(len(inputs.input_ids))):
             return self.decoder.run(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
-                                    inputs.block_tables)
-        return self._run(inputs, rows, greedy=False)
+                                    inputs.block_tables, inputs.gather_rows, inputs.gather_sources, previous)
+        return self._run(inputs, rows, greedy=False, previous=previous)
 
     def forward_with_states(self, inputs: ForwardInputs, extra_rows: np.ndarray | None,
                             state_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,20 +141,28 @@ class ModelRunner:
             return self.sample(self.forward(inputs), inputs.sampling)
         return self._run(inputs, inputs.logits_rows, greedy=True).numpy()
 
-    def _run(self, inputs: ForwardInputs, rows: np.ndarray, greedy: bool) -> torch.Tensor:
-        args, lora = self._model_inputs(inputs, rows)
+    def fused_greedy_on_device(self, inputs: ForwardInputs, previous: torch.Tensor | None) -> torch.Tensor:
+        """`greedy_tokens` left on the device, for the overlapped loop; only where `fused_greedy`."""
+        return self._run(inputs, inputs.logits_rows, greedy=True, previous=previous)
+
+    def _run(self, inputs: ForwardInputs, rows: np.ndarray, greedy: bool,
+             previous: torch.Tensor | None = None) -> torch.Tensor:
+        args, lora = self._model_inputs(inputs, rows, previous)
         return self.model(*args, greedy=greedy, lora=lora)
 
     def _hidden(self, inputs: ForwardInputs, rows: np.ndarray) -> torch.Tensor:
         args, lora = self._model_inputs(inputs, rows)
         return self.model.final_hidden(*args, lora=lora)
 
-    def _model_inputs(self, inputs: ForwardInputs, rows: np.ndarray) -> tuple[tuple, LoraStep | None]:
+    def _model_inputs(self, inputs: ForwardInputs, rows: np.ndarray,
+                      previous: torch.Tensor | None = None) -> tuple[tuple, LoraStep | None]:
         """(ids, positions, kv caches, attention metadata, rows) on the device, as the model takes them, and the
         step's LoRA adapters (None: every token runs the base model)."""
-        ids, positions, slots, query_start, seq_lens, tables, rows = self._to_device(
+        ids, positions, slots, query_start, seq_lens, tables, rows, gather_rows, gather_sources = self._to_device(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start, inputs.seq_lens,
-            inputs.block_tables, rows)
+            inputs.block_tables, rows, inputs.gather_rows, inputs.gather_sources)
+        if len(inputs.gather_rows):
+            ids = ids.index_put((gather_rows,), previous[gather_sources])
         meta = AttentionMetadata(
             query_start=query_start.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
             block_tables=tables.to(torch.int32), slot_mapping=slots,
@@ -124,6 +185,13 @@ class ModelRunner:
         """Tokens for the logits rows, with this device's greedy pick (a step's rows and forked samples' alike)."""
         return sample(logits, batch, self._argmax)
 
+    def sample_on_device(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        return sample_on_device(logits, batch, self._argmax)
+
+    def copy_tokens(self, tokens: torch.Tensor) -> TokenCopy:
+        """Start bringing a step's sampled tokens to the host without waiting for them."""
+        return TokenCopy(tokens, self.device)
+
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """The step's index arrays as int64 tensors on the device. On the CPU they are views of the arrays; on a
         GPU they travel packed in one pinned buffer, in one copy that does not block the host."""
@@ -138,5 +206,28 @@ class ModelRunner:
         for array, size in zip(arrays, sizes):
             host[offset : offset + size] = array.reshape(-1)
             offset += size
+        if self._staged is not None:  # the overlapped loop may write the next step before this copy has run
+            self._staged.synchronize()
         packed = self._staging[:total].to(self.device, non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
         return [part.view(array.shape) for part, array in zip(packed.split(sizes), arrays)]
+
+
+class TokenCopy:
+    """A step's sampled tokens on their way to the host: on a GPU a non-blocking copy into pinned memory and an
+    event after it, so the host waits only when it reads them (`wait`), a step later in the overlapped loop."""
+
+    def __init__(self, tokens: torch.Tensor, device: torch.device):
+        if device.type == "cpu":
+            self.host, self.event = tokens, None
+            return
+        self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        self.host.copy_(tokens, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def wait(self) -> np.ndarray:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.numpy()

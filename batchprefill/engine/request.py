@@ -10,6 +10,8 @@ import numpy as np
 
 from batchprefill.sampling_params import SamplingParams
 
+PENDING_TOKEN = -1  # an output token sampled on the device that the host has not read yet
+
 
 class Status(Enum):
     WAITING = "waiting"
@@ -35,6 +37,9 @@ class Request:
     error: str | None = None
     sample_index: int = 0  # which of a prompt's samples this is: part of its random stream's key
     batch_row: int = -1  # its row in the model runner's persistent batch while it runs, else -1
+    # With the overlapped loop (engine.py): its last output token is still on the device, at this index of the
+    # in-flight step's sampled tokens (its place in output_token_ids holds PENDING_TOKEN until it lands); else -1.
+    pending_sample: int = -1
     # Children to fork once this request's prompt is computed: they share its full blocks and copy its partial one.
     forks: list[Request] = field(default_factory=list)
     readout: Readout | None = None  # what it reads from its prompt's logits instead of sampling (task=score)

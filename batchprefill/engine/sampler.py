@@ -79,31 +79,43 @@ def argmax_for(device: torch.device) -> Argmax:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = torch_argmax) -> np.ndarray:
     """The next token of every row `[R]`, as a host array."""
+    return sample_on_device(logits, batch, argmax).cpu().numpy()
+
+
+def sample_on_device(logits: torch.Tensor, batch: SamplingBatch, argmax: Argmax = torch_argmax) -> torch.Tensor:
+    """The next token of every row `[R]`, int64 on the logits' device: the overlapped loop reads them a step later."""
     tokens = argmax(logits)
     drawn = np.flatnonzero(batch.temperature > 0)
     if drawn.size:
         device = logits.device
         rows = torch.from_numpy(drawn).to(device)
         as_tensor = lambda values: torch.from_numpy(np.ascontiguousarray(values[drawn])).to(device)  # noqa: E731
+        top_k = batch.top_k[drawn]
+        limited = top_k[(top_k > 0) & (top_k < logits.shape[-1])]
         tokens[rows] = draw(logits[rows], as_tensor(batch.temperature), as_tensor(batch.top_k),
                             as_tensor(batch.top_p), torch.from_numpy(uniforms(batch.keys[drawn],
-                                                                               batch.counters[drawn])).to(device))
-    return tokens.cpu().numpy()
+                                                                               batch.counters[drawn])).to(device),
+                            largest_k=int(limited.max()) if limited.size else 0,
+                            nucleus=bool((batch.top_p[drawn] < 1).any()))
+    return tokens
 
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-         u: torch.Tensor) -> torch.Tensor:
+         u: torch.Tensor, *, largest_k: int | None = None, nucleus: bool | None = None) -> torch.Tensor:
     """Tokens `[R]` drawn from softmax(logits / temperature) restricted to each row's top-k and top-p nucleus,
-    at the quantile `u` of each row's distribution (inverse-CDF sampling: one uniform per row)."""
+    at the quantile `u` of each row's distribution (inverse-CDF sampling: one uniform per row). `largest_k` (the
+    largest top-k in force, 0: none) and `nucleus` (whether any top-p is below 1), when the caller knows them from
+    the host's copies, spare reading them back from the device: the overlapped loop must not wait on it here."""
     scores = logits.float() / temperature[:, None].float()
     vocab = scores.shape[-1]
     limited = (top_k > 0) & (top_k < vocab)
-    if bool(limited.any()):
-        largest = int(top_k[limited].max())
-        kth = scores.topk(largest, dim=-1).values.gather(1, (top_k.clamp(1, largest) - 1).long()[:, None])
+    if largest_k is None:
+        largest_k = int(top_k[limited].max()) if bool(limited.any()) else 0
+    if largest_k:
+        kth = scores.topk(largest_k, dim=-1).values.gather(1, (top_k.clamp(1, largest_k) - 1).long()[:, None])
         kth = torch.where(limited[:, None], kth, torch.full_like(kth, float("-inf")))
         scores = scores.masked_fill(scores < kth, float("-inf"))
-    if bool((top_p < 1).any()):
+    if nucleus if nucleus is not None else bool((top_p < 1).any()):
         ordered, order = scores.sort(dim=-1, descending=True)
         probs = ordered.softmax(-1)
         outside = probs.cumsum(-1) - probs > top_p[:, None].float()  # past the nucleus; the top token always stays

@@ -63,11 +63,15 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
 
-        room = self.block_size
+        room, most, running = self.block_size, min(budget, self.max_num_seqs), Status.RUNNING
         for request in list(self.running):  # decodes first, oldest first
-            if request.status is not Status.RUNNING or not request.is_decoding:
+            # `request.is_decoding`, inlined: its two property calls were a third of a decode step's schedule
+            # (1,000 decodes: 3.1 ms a step on a loaded 2-core machine)
+            outputs = request.output_token_ids
+            if (request.status is not running or not outputs
+                    or request.num_computed_tokens != len(request.prompt_token_ids) + len(outputs) - 1):
                 continue
-            if budget == 0 or len(chunks) >= self.max_num_seqs:
+            if len(chunks) >= most:
                 break
             if request.num_computed_tokens >= len(request.block_table) * room and not self._reserve(
                     request, 1, scheduled):
@@ -162,6 +166,9 @@ class Scheduler:
         reserved = self._reserved() if self.reserve_growth else 0
         while self.waiting and budget > 0 and len(self.running) + self.fork_slots < self.max_num_seqs:
             request = self.waiting.popleft()
+            if request.pending_sample >= 0:  # preempted with its last token still on the device: it waits for it
+                self.waiting.appendleft(request)
+                break
             if self.running and len(self.running) + self.fork_slots + 1 + len(request.forks) > self.max_num_seqs:
                 self.waiting.appendleft(request)  # no slots for its children yet; alone, they wait instead
                 break
@@ -202,10 +209,13 @@ class Scheduler:
 
     # ---- after the forward pass -----------------------------------------------------------------
     def commit(self, step: SchedulerOutput) -> None:
-        """Advance computed counts and cache every block that is now full."""
-        size, register = self.block_size, self.prefix_cache.register
+        """Advance computed counts and cache every block that is now full. A request that finished while the step
+        ran (the overlapped loop learns of an end a step late) has given its blocks back: its chunk is dropped."""
+        size, register, finished = self.block_size, self.prefix_cache.register, Status.FINISHED
         for chunk in step.chunks:
             request = chunk.request
+            if request.status is finished:
+                continue
             before = request.num_computed_tokens // size
             request.num_computed_tokens += chunk.num_tokens
             if request.num_computed_tokens // size > before:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +14,7 @@ from batchprefill.engine.config import EngineConfig
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.grammar import Grammars
 from batchprefill.engine.kv_cache import pool_blocks
+from batchprefill.engine.model_runner import say_nothing
 from batchprefill.engine.structured import StructuredOutputs
 from batchprefill.errors import JobError
 from batchprefill.malloc import keep_freed_memory
@@ -29,6 +30,7 @@ from batchprefill.model.loader import (
     resolve_dtype,
 )
 from batchprefill.model.tokenizer import PromptTokenizer
+from batchprefill.pipeline.engine_sizes import ceiling_num_seqs, resolve_sizes
 from batchprefill.pipeline.prepare import ModelFiles, Prepared
 from batchprefill.settings import JobSettings
 from batchprefill.units import readable_bytes
@@ -62,14 +64,17 @@ def structured_outputs(job: JobSettings, prepared: Prepared) -> StructuredOutput
             grammars.compile(constraint)
         except GrammarError as error:
             raise JobError(f"sampling.{constraint.kind}: {error}; fix the constraint") from None
-    return StructuredOutputs(grammars, job.engine.max_num_seqs)
+    return StructuredOutputs(grammars, ceiling_num_seqs(job.engine, resolve_device(job.engine.device)))
 
 
 def build_engine(job: JobSettings, prepared: Prepared, tokens_needed: int,
-                 structured: StructuredOutputs | None = None) -> Engine:
+                 structured: StructuredOutputs | None = None, typical_request_tokens: int | None = None,
+                 on_phase: Callable[[str], None] = say_nothing) -> Engine:
     """Load the model on the chosen device and backend, size the KV pool, and build the engine around them."""
+    on_phase("loading the model")
     model = load_job_model(job, prepared.model)
-    return engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured)
+    return engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured, typical_request_tokens,
+                     on_phase)
 
 
 def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
@@ -101,15 +106,21 @@ def attach_job_adapters(job: JobSettings, loaded: LoadedModel, config: ModelConf
 
 
 def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tokens_needed: int,
-              structured: StructuredOutputs | None = None) -> Engine:
+              structured: StructuredOutputs | None = None, typical_request_tokens: int | None = None,
+              on_phase: Callable[[str], None] = say_nothing) -> Engine:
     """An engine on a loaded model with a KV pool sized for `tokens_needed` (batchprefill-eval builds one per
-    batch of lm-eval requests, on one model)."""
-    settings, model_config = job.engine, model.config
+    batch of lm-eval requests, on one model); engine.*=auto sizes are picked here, from the pool and
+    `typical_request_tokens` (a request's mean prompt plus outputs; None: not known). On a GPU the engine compiles
+    its kernels and captures its graphs before the first step, telling `on_phase` (the progress bar)."""
+    model_config = model.config
     loaded, device, dtype, kv_dtype = model.loaded, model.device, model.dtype, model.kv_dtype
+    num_blocks = pool_blocks(model_config, kv_dtype, device, job.engine.block_size,
+                             ceiling_num_seqs(job.engine, device), job.engine.kv_cache_tokens, tokens_needed)
+    sizes = resolve_sizes(job.engine, device, num_blocks, typical_request_tokens)
+    settings = sizes.settings
     graphs = settings.cuda_graphs and device.type == "cuda" and model.graph_safe_decode
-    num_blocks = pool_blocks(model_config, kv_dtype, device, settings.block_size, settings.max_num_seqs,
-                             settings.kv_cache_tokens, tokens_needed)
-    config = EngineConfig(settings, num_blocks, padded_decode="graphs" if graphs else "off")
+    config = EngineConfig(settings, num_blocks, padded_decode="graphs" if graphs else "off",
+                          overlap=device.type == "cuda", sizes_summary=sizes.summary)
     # The quantization is part of the scope: model.quantization=fp8 loads the same folder (the same identity) with
     # other weights, and FP8 products give other KV than the dequantized weights'.
     scope = (loaded.identity, str(dtype), str(kv_dtype), model_config.rope_theta, repr(model_config.rope_scaling),
@@ -118,7 +129,7 @@ def engine_on(job: JobSettings, model: JobModel, tokenizer: PromptTokenizer, tok
     pool = num_blocks * settings.block_size * model_config.kv_bytes_per_token(torch.finfo(kv_dtype).bits // 8)
     with device_memory(device, f"a KV pool of {readable_bytes(pool)} and the decode graphs",
                        "lower engine.max_num_seqs or engine.kv_cache_tokens, or use a GPU with more memory"):
-        return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured)
+        return Engine(loaded.model, config, tokenizer.decode, scope, kv_dtype, device, structured, on_phase)
 
 
 @contextmanager

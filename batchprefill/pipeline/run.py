@@ -14,6 +14,7 @@ from tqdm import tqdm
 from batchprefill.engine.engine import Engine
 from batchprefill.engine.request import Request
 from batchprefill.errors import JobError
+from batchprefill.intmath import cdiv
 from batchprefill.io.atomic import write_records
 from batchprefill.io.columns import ROW
 from batchprefill.io.formats import input_format
@@ -61,15 +62,22 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     output_tokens, constrained = _shard_demand(job, prepared, mine)
     structured = structured_outputs(job, prepared) if constrained else None  # before the model: a bad schema fails fast
     tokens_needed = _tokens_needed(job, task, prepared, mine, output_tokens)
-    engine = (engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured) if model
-              else build_engine(job, prepared, tokens_needed, structured))
+    rows = sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n
+    typical = cdiv(tokens_needed, rows) if rows else None  # a request's mean KV need: what engine.*=auto fits
     writer = ResultWriter(results_dir, sharding.shard_index, job.output.commit_every_rows,
                           job.output.commit_every_seconds,
                           _result_fields(job, task), lock.check)
     totals = JobTotals(adapter_names=[None, *sorted(job.model.adapters)])
-    bar = tqdm(total=sum(prepared.manifest.partition_rows[p] for p in mine) * job.sampling.n, desc=job.task,
-               unit="req",
-               disable=not job.output.progress)
+    # The bar before the engine: it says what start-up does (loading, on a GPU compiling kernels and capturing graphs).
+    bar = tqdm(total=rows, desc=job.task, unit="req", disable=not job.output.progress)
+    try:
+        engine = (engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured, typical,
+                            bar.set_description) if model
+                  else build_engine(job, prepared, tokens_needed, structured, typical, bar.set_description))
+    except BaseException:
+        bar.close()
+        raise
+    bar.set_description(job.task)
     stop, previous_handler = _trap_sigterm()
     try:
         _drive(engine, _requests(task, job, prepared, mine, skip, writer, totals, bar, stop), task, writer, totals,
@@ -92,7 +100,7 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     figure = write_run_figure(stats_folder, "batchprefill") if job.output.plot else None
     quantization = job_quantization(prepared.model.config.quantization, job.model.quantization)
     precision = dtype_choice(job.model.dtype, resolve_device(job.engine.device), quantization)
-    print_run_summary(stats, out, figure, precision, job.output.temporary)
+    print_run_summary(stats, out, figure, precision, engine.config.sizes_summary, job.output.temporary)
     return stats
 
 
