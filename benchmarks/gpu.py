@@ -430,7 +430,8 @@ def bench_shared_decode(plan: Plan, device: torch.device, dtype: torch.dtype, ce
     """Shared-prefix decode attention (kernels/triton/shared_decode.py) as the engine's graphs replay it (groups
     staged in fixed slots, grids planned for `graph_max_positions`), against the floor of its bytes (each group's
     prefix KV once plus every sequence's own, at the measured copy bandwidth) and against the ungrouped split-K
-    decode on the same batch and the same physical blocks (what the engine ran before issue 38)."""
+    decode on the same batch and the same physical blocks (what the engine ran before issue 38). `own_segments` 1
+    is the fused path (the decode kernel merges the prefix slots itself, no merge launch)."""
     rows = []
     for name, shape in plan.shared_shapes:
         for layout in plan.shared_layouts:
@@ -454,7 +455,8 @@ def bench_shared_decode(plan: Plan, device: torch.device, dtype: torch.dtype, ce
                 got = ops.attention(query, k_cache, v_cache, grouped, scale)
                 rows.append({
                     "shape": name, "groups": layout.groups, "members": layout.members, "shared": layout.shared,
-                    "own_mean": own_tokens / meta.num_seqs, "shared_rows": shared_rows, "shared_ms": shared_ms,
+                    "own_mean": own_tokens / meta.num_seqs, "shared_rows": shared_rows,
+                    "own_segments": grouped.plan.num_segments, "shared_ms": shared_ms,
                     "floor_ms": floor_ms, "x_floor": shared_ms / floor_ms, "ungrouped_ms": old_ms,
                     "speedup": old_ms / shared_ms, "max_err": (got.float() - want.float()).abs().max().item(),
                 })

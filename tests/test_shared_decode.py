@@ -47,10 +47,14 @@ GROUPS = [([0, 1, 2], 4), (list(range(4, 11)), 2)]
 @pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim", "dtype"), [
     (8, 2, 64, torch.float32), (6, 2, 80, torch.float32), (8, 2, 64, torch.bfloat16)],
     ids=["gqa4-d64", "gqa3-d80", "gqa4-bf16"])
-def test_two_groups_of_3_and_7_decodes_and_two_lone_ones_match_torch(q_heads, kv_heads, head_dim, dtype) -> None:
+def test_two_groups_of_3_and_7_decodes_and_two_lone_ones_match_torch_with_the_merge_fused_into_the_decode(
+        q_heads, kv_heads, head_dim, dtype) -> None:
+    """12 rows x 2 KV heads fill the 16 programs: own contexts unsplit, so the decode kernel merges each row's
+    prefix slots itself; the two lone rows (shared length 0) must read none of theirs (poisoned memory)."""
     query, k_cache, v_cache, meta = grouped_batch(SPECS, GROUPS, q_heads, kv_heads, head_dim, 8, dtype)
     ops = TritonOps(block_n=16, decode_min_segment=16, shared_rows=16)
     plan = ops.plan(meta, k_cache, q_heads, dtype).plan
+    assert plan.num_segments == 1
     groups = plan.decode_groups
     members_per_group = groups.groups[:, 1].tolist()
     assert members_per_group == [3, 4, 3]  # group A first (the longer prefix), then B in two
@@ -58,14 +62,19 @@ def test_two_groups_of_3_and_7_decodes_and_two_lone_ones_match_torch(q_heads, kv
     check_against_torch(ops, query, k_cache, v_cache, meta, dtype)
 
 
-def test_a_group_of_4_decodes_reads_its_48_shared_tokens_in_3_segments_each_merged_with_its_own() -> None:
-    """Prefix split into segments of 16 tokens on the device (3 slots), own contexts of 1-20 tokens in one or two
-    segments each: every slot kind merged in one pass."""
+@pytest.mark.parametrize(("target_programs", "own_segments"), [(12, 3), (4, 1)],
+                         ids=["split-own-merge-kernel", "unsplit-own-fused-merge"])
+def test_a_group_of_4_decodes_reads_its_48_shared_tokens_in_3_segments_each_merged_with_its_own(
+        target_programs: int, own_segments: int) -> None:
+    """Prefix split into segments of 16 tokens on the device (3 slots). With 12 programs wanted, own contexts of
+    1-20 tokens split in one or two of 3 segments each and the merge kernel takes every slot kind in one pass;
+    with 4, the own contexts are unsplit and the decode kernel merges the 3 prefix slots itself."""
     specs = [(48, 1), (55, 1), (68, 1), (50, 1)]
     query, k_cache, v_cache, meta = grouped_batch(specs, [([0, 1, 2, 3], 6)], 4, 1, 32, 8)
-    ops = TritonOps(block_n=16, decode_min_segment=16, decode_target_programs=12)
+    ops = TritonOps(block_n=16, decode_min_segment=16, decode_target_programs=target_programs)
     plan = ops.plan(meta, k_cache, 4, torch.float32).plan
-    assert (plan.prefix_segments, plan.decode_groups.shared_lens.tolist()) == (3, [48] * 4)
+    assert (plan.prefix_segments, plan.num_segments) == (3, own_segments)
+    assert plan.decode_groups.shared_lens.tolist() == [48] * 4
     check_against_torch(ops, query, k_cache, v_cache, meta)
 
 
@@ -76,7 +85,7 @@ def test_a_mixed_step_groups_its_decodes_and_tiles_its_chunks() -> None:
     query, k_cache, v_cache, meta = grouped_batch(specs, [([1, 4], 4)], 6, 2, 32, 8, seed=3)
     ops = TritonOps(block_m=16, block_n=16, decode_min_segment=16)
     plan = ops.plan(meta, k_cache, 6, torch.float32).plan
-    assert plan.decode_rows.tolist() == [1, 2, 4]
+    assert (plan.decode_rows.tolist(), plan.num_segments) == ([1, 2, 4], 3)  # own contexts split
     assert plan.decode_groups.groups.tolist() == [[0, 2, 32, 1]] and plan.decode_groups.members.tolist() == [0, 2]
     check_against_torch(ops, query, k_cache, v_cache, meta)
 

@@ -41,12 +41,21 @@ MAX_PREFIX_SEGMENTS = 16
 class SharedPrefixParts:
     """Where the shared-prefix decode (shared_decode.py) left each row's prefix partials: `out` [rows, Hq, slots,
     BLOCK_D] and `lse` [rows, Hq, slots] (float32), the first `prefix_slots` slots of each row and head; the rest
-    are the row's own segments. `lens` [rows] int32: shared tokens of each row (0: in no group)."""
+    (`shared_slots`) are the row's own segments when its context is split. `lens` [rows] int32: shared tokens of
+    each row (0: in no group)."""
 
     out: torch.Tensor
     lse: torch.Tensor
     prefix_slots: int
     lens: torch.Tensor
+
+
+def shared_slots(prefix_slots: int, num_segments: int) -> int:
+    """Partial slots per (row, head) of a shared-prefix decode: the prefix segments', plus the own segments' only
+    when the own context is split. Unsplit (the usual decode: own contexts are short), the decode kernel merges
+    the prefix partials into its own result in registers, so it writes no own partials and no merge kernel runs:
+    at 16 groups x 32 decodes (Llama-3.2-1B heads) that merge was 16,384 programs re-reading every slot."""
+    return prefix_slots + (num_segments if num_segments > 1 else 0)
 
 
 def jit_unspecialized(*names: str) -> Callable:
@@ -184,14 +193,15 @@ def _decode_kernel(
     prefix_slots, stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_table,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, INDEXED: tl.constexpr, SLIDING: tl.constexpr, SHARED: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_P: tl.constexpr, SPLIT: tl.constexpr, INDEXED: tl.constexpr, SLIDING: tl.constexpr,
+    SHARED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program: one segment of one sequence's context for all query heads of one KV head, so each
     KV tile is read once per GQA group. With SPLIT it writes a normalized partial output and its LSE.
     With INDEXED, launch row i serves sequence seq_index[i] (the single-token rows of a mixed step).
     With SHARED, launch row i walks only its own context, from shared_lens[i] (what its group's program in
-    shared_decode.py reads once for all members) to its end, into the slots after the `prefix_slots` ones."""
+    shared_decode.py reads once for all members) to its end: with SPLIT into the slots after the `prefix_slots`
+    ones, without it merged at once with the row's prefix slots into `out` (`_merge_prefix_slots`)."""
     launch_row = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -201,11 +211,11 @@ def _decode_kernel(
         seq = tl.load(seq_index_ptr + launch_row)
     seq_len = tl.load(seq_lens_ptr + seq)
     row = tl.load(query_start_ptr + seq)
-    start = 0
+    shared = 0
     if SHARED:
-        start = tl.load(shared_lens_ptr + launch_row)
-    segment_len = _segment_len(seq_len - start, num_segments, min_segment, BLOCK_N)
-    lo = start + segment * segment_len
+        shared = tl.load(shared_lens_ptr + launch_row)
+    segment_len = _segment_len(seq_len - shared, num_segments, min_segment, BLOCK_N)
+    lo = shared + segment * segment_len
     hi = tl.minimum(seq_len, lo + segment_len)
     if SLIDING:  # the query at seq_len - 1 sees its last `window` positions; earlier segments stay empty
         lo = tl.maximum(lo, seq_len - window)
@@ -253,6 +263,11 @@ def _decode_kernel(
         tl.store(part_lse_ptr + slot, m_i + tl.log2(l_i), mask=head_valid)
         tl.store(part_out_ptr + slot[:, None] * BLOCK_D + dims[None, :], out, mask=q_mask)
     else:
+        if SHARED:  # unsplit: part_out [S, Hq, prefix_slots, BLOCK_D] holds only the prefix slots
+            first_slot = (launch_row * tl.num_programs(1) * GROUP + heads) * prefix_slots
+            out = _merge_prefix_slots(out, m_i + tl.log2(l_i), hi > lo, part_out_ptr, part_lse_ptr, first_slot,
+                                      head_valid, dims, dim_valid, shared, prefix_slots, min_segment, BLOCK_N,
+                                      BLOCK_P, BLOCK_D)
         o_offs = row * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -262,6 +277,32 @@ def _slot_weights(lse_ptr, slots, valid, top):
     """2^(lse - top) of each valid slot, 0 for the others (an empty segment, a row's missing prefix)."""
     lse = tl.load(lse_ptr + slots, mask=valid, other=float("-inf"))
     return tl.where(valid, tl.exp2(lse - top), 0.0)
+
+
+@triton.jit
+def _merge_prefix_slots(
+    out, lse, own_valid, part_out_ptr, part_lse_ptr, first_slot, head_valid, dims, dim_valid, shared, prefix_slots,
+    min_segment, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """A decode program's own result (normalized `out` [BLOCK_G, BLOCK_D], its `lse` [BLOCK_G], valid if it saw
+    any own token) merged with its row's prefix slots from `first_slot` [BLOCK_G], each weighted by 2^(lse - top)
+    as `_merge_kernel` weighs slots. Only the slots the group's programs filled are read: as many as its prefix
+    splits into (`_segment_len`, as they split it), none for a row in no group (shared length 0)."""
+    num_prefix = tl.cdiv(shared, tl.maximum(_segment_len(shared, prefix_slots, min_segment, BLOCK_N), 1))
+    prefix = tl.arange(0, BLOCK_P)
+    prefix_valid = head_valid[:, None] & (prefix < num_prefix)[None, :]
+    prefix_lse = tl.load(part_lse_ptr + first_slot[:, None] + prefix[None, :], mask=prefix_valid,
+                         other=float("-inf"))
+    top = tl.maximum(tl.where(own_valid, lse, float("-inf")), tl.max(prefix_lse, 1))
+    own_weight = tl.where(own_valid, tl.exp2(lse - top), 0.0)
+    mass = own_weight + tl.sum(tl.where(prefix_valid, tl.exp2(prefix_lse - top[:, None]), 0.0), 1)
+    total = out * own_weight[:, None]
+    for index in range(0, num_prefix):
+        slot = first_slot + index
+        part = tl.load(part_out_ptr + slot[:, None] * BLOCK_D + dims[None, :],
+                       mask=head_valid[:, None] & dim_valid[None, :], other=0.0)
+        total += part * _slot_weights(part_lse_ptr, slot, head_valid, top)[:, None]
+    return total / mass[:, None]
 
 
 @jit_unspecialized("min_segment", "num_segments", "prefix_slots")
@@ -369,18 +410,19 @@ def decode_attention(
     scale: float, num_segments: int, min_segment: int, block_n: int, num_warps: int, num_stages: int,
     window: int | None = None, shared: SharedPrefixParts | None = None,
 ) -> None:
-    """Launch the decode kernel over (sequence, KV head, segment), then the merge when split.
+    """Launch the decode kernel over (sequence, KV head, segment), then the merge when split (`num_segments` > 1).
 
     `seq_index` lists the sequences to serve (the decodes of a mixed step); None serves every sequence.
     Each sequence splits its own context on the device into at most `num_segments` segments of at least
     `min_segment` tokens. With `shared` (shared_decode.py), each row walks only the context after its shared
-    prefix, whose partial results are already in `shared`'s buffers, and the merge takes both."""
+    prefix, whose partial results are already in `shared`'s buffers (`shared_slots` wide), and the merge takes
+    both; unsplit, the decode kernel merges them itself (no own partials, no merge launch)."""
     num_rows = seq_lens.shape[0] if seq_index is None else seq_index.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
-    split = num_segments > 1 or shared is not None
+    split = num_segments > 1  # on the host, from the grid: fixed for a captured graph
     indexed = seq_index is not None
     seq_index = seq_lens if seq_index is None else seq_index  # a placeholder pointer when not indexed
     part_out = part_lse = out  # unused placeholders when not split
@@ -389,6 +431,9 @@ def decode_attention(
         if window is not None:
             raise ValueError("the shared-prefix decode has no sliding window: plan such layers without groups")
         part_out, part_lse, prefix_slots, shared_lens = shared.out, shared.lse, shared.prefix_slots, shared.lens
+        if part_lse.shape[2] != shared_slots(prefix_slots, num_segments):
+            raise ValueError(f"shared-prefix partials have {part_lse.shape[2]} slots, the launch needs "
+                             f"{shared_slots(prefix_slots, num_segments)}")
     elif split:
         part_out = torch.empty(num_rows, num_heads, num_segments, block_d, dtype=torch.float32,
                                device=query.device)
@@ -399,7 +444,8 @@ def decode_attention(
         block_tables, scale * LOG2E, k_cache.shape[1], head_dim, min_segment, window or 0, prefix_slots,
         *query.stride(), *out.stride(), *_cache_strides(k_cache, v_cache), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        SPLIT=split, INDEXED=indexed, SLIDING=window is not None, SHARED=shared is not None, UPCAST=upcast,
+        BLOCK_P=MAX_PREFIX_SEGMENTS, SPLIT=split, INDEXED=indexed, SLIDING=window is not None,
+        SHARED=shared is not None, UPCAST=upcast,
         DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
     )
     if split:

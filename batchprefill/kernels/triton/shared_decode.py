@@ -7,8 +7,10 @@ of the sequences' own KV. Here one program takes a (sub-)group's members x the q
 rows of a matrix and a segment of the shared prefix as its keys, so each shared tile is loaded once and multiplied
 as a matrix-matrix product (Hydragen, FlashInfer's cascade); it writes a partial output and its log-sum-exp per
 (row, head, prefix segment). Each row's own blocks then go through the decode kernel from the row's shared length,
-and the merge weighs both kinds of slots by their LSE in one pass (attention.py). Unlike vLLM's cascade, which
-splits off one prefix common to the whole batch, any number of groups share a step.
+and the merge weighs both kinds of slots by their LSE in one pass (attention.py); when the own context is not
+split (the usual decode: own contexts are short), the decode kernel does that merge itself and stores the output,
+so no own partials are written and no merge kernel runs (`shared_slots`). Unlike vLLM's cascade, which splits off
+one prefix common to the whole batch, any number of groups share a step.
 
 CUDA-graph safe: the grid spans all group slots (a slot with no members computes nothing), every group is read
 from the device, and each group splits its own prefix into segments on the device from its length, as the decode
@@ -31,6 +33,7 @@ from batchprefill.kernels.triton.attention import (
     decode_attention,
     dot_settings,
     jit_unspecialized,
+    shared_slots,
 )
 
 # Rows of a group program's query matrix (members x query heads per KV head): a sub-group holds
@@ -126,7 +129,7 @@ def shared_decode_attention(
     ([G, 4] int32, `kernels/shared_prefix.DecodeGroups`), then the decode kernel over each row's own context
     (from `shared_lens[row]`), then one merge. Rows in no group (shared length 0) get all their context from the
     decode kernel. `prefix_segments` (at most MAX_PREFIX_SEGMENTS) splits each group's prefix, as `num_segments`
-    does each row's own context."""
+    does each row's own context; unsplit (`num_segments` 1), the decode kernel merges in registers."""
     if not 1 <= prefix_segments <= MAX_PREFIX_SEGMENTS:
         raise ValueError(f"prefix_segments must be 1-{MAX_PREFIX_SEGMENTS}, got {prefix_segments}")
     num_rows = seq_lens.shape[0] if seq_index is None else seq_index.shape[0]
@@ -134,7 +137,7 @@ def shared_decode_attention(
     num_kv_heads = k_cache.shape[2]
     heads_per_kv = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
-    num_slots = prefix_segments + num_segments
+    num_slots = shared_slots(prefix_segments, num_segments)
     part_out = torch.empty(num_rows, num_heads, num_slots, block_d, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(num_rows, num_heads, num_slots, dtype=torch.float32, device=query.device)
     upcast, precision = dot_settings(query.dtype)
