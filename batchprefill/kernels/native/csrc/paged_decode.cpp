@@ -14,7 +14,7 @@
 // Layouts (all contiguous):
 //   query, out     [tokens, kv_heads * per_kv, dim] float32: the step's flat batch (query heads of one KV
 //                  head adjacent); only decode rows are read and written
-//   k, v           [num_blocks, block, kv_heads, dim] float32 or bfloat16 (raw uint16 bits)
+//   k, v           [num_blocks, block, kv_heads, dim] float32, bfloat16 (raw uint16 bits) or FP8 (bytes)
 //   sets           [num_sets, 3] int64: first member (index into rows), member count, shared tokens
 //   shared_blocks  [num_sets, shared_width] int64 block ids of each set's shared prefix
 //   rows           [decodes] int64 flat-batch row of each member, sets' members adjacent
@@ -55,6 +55,76 @@ inline void widen(const uint16_t* source, float* target, int64_t count) {
     std::memcpy(&target[i], &bits, 4);
   }
 }
+
+// FP8 pools (kernels/fp8.py), one byte an element, widened a block at a time as bfloat16 pools are. e5m2 is a
+// float16's upper byte; e4m3fn's seven low bits shifted into a float16's exponent and mantissa give its value / 256
+// exactly, subnormals too (the exponent biases differ by 8), so either widens as float16 bits by F16C's conversion,
+// e4m3 then times 256. Per block of SmolLM2 (16 tokens x 3 heads x 64) that is 3,072 bytes of K and of V to read
+// where bfloat16 reads 6,144.
+struct E4M3 {
+  uint8_t bits;
+};
+struct E5M2 {
+  uint8_t bits;
+};
+
+inline uint16_t half_bits(E5M2 x) { return static_cast<uint16_t>(x.bits << 8); }
+inline uint16_t half_bits(E4M3 x) { return static_cast<uint16_t>(((x.bits & 0x80) << 8) | ((x.bits & 0x7F) << 7)); }
+
+inline float half_to_float(uint16_t half) {
+  const uint32_t sign = static_cast<uint32_t>(half & 0x8000u) << 16, exponent = (half >> 10) & 0x1Fu,
+                 mantissa = half & 0x3FFu;
+  uint32_t bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  if (exponent == 0) {  // zero or subnormal: mantissa x 2^-24
+    float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+    std::memcpy(&bits, &magnitude, 4);
+    bits |= sign;
+  } else if (exponent == 31) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  }
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+template <typename Fp8>
+inline void widen_fp8(const Fp8* source, float* target, int64_t count) {
+  constexpr bool kE4M3 = std::is_same_v<Fp8, E4M3>;
+  constexpr float kFactor = kE4M3 ? 256.0f : 1.0f;
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(source);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 factor = _mm512_set1_ps(kFactor);
+  for (; i + 16 <= count; i += 16) {
+    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i)));
+    __m256i half;
+    if constexpr (kE4M3) {
+      half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8),
+                             _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7));
+    } else {
+      half = _mm256_slli_epi16(wide, 8);
+    }
+    _mm512_storeu_ps(target + i, _mm512_mul_ps(_mm512_cvtph_ps(half), factor));
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m256 factor = _mm256_set1_ps(kFactor);
+  for (; i + 8 <= count; i += 8) {
+    const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + i)));
+    __m128i half;
+    if constexpr (kE4M3) {
+      half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8),
+                          _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7F)), 7));
+    } else {
+      half = _mm_slli_epi16(wide, 8);
+    }
+    _mm256_storeu_ps(target + i, _mm256_mul_ps(_mm256_cvtph_ps(half), factor));
+  }
+#endif
+  for (; i < count; ++i) target[i] = half_to_float(half_bits(source[i])) * kFactor;
+}
+
+inline void widen(const E4M3* source, float* target, int64_t count) { widen_fp8(source, target, count); }
+inline void widen(const E5M2* source, float* target, int64_t count) { widen_fp8(source, target, count); }
 
 // exp(x) for x <= 0 (every exponent here is a score minus a running maximum), written so loops over it
 // vectorize: Cephes' expf polynomial on x - n ln2, times 2^n built in the exponent bits (relative error about
@@ -1308,6 +1378,29 @@ void paged_decode_bf16(const float* query, const uint16_t* k_cache, const uint16
   const Plan plan{sets,         shared_blocks, rows,   own_blocks,       own_lens, num_sets,
                   shared_width, own_width,     per_kv, fixed_order != 0, nullptr,  own_skips};
   run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads);
+}
+
+// FP8 pools (kernels/fp8.py): the vector walks, over each block widened to float32; never the tile walks.
+void paged_decode_e4m3(const float* query, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* sets,
+                       const int64_t* shared_blocks, const int64_t* rows, const int64_t* own_blocks,
+                       const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width,
+                       int64_t block, int64_t kv_heads, int64_t per_kv, int64_t dim, float scale, float* out,
+                       int threads, int fixed_order, const int64_t* own_skips) {
+  const Plan plan{sets,         shared_blocks, rows,   own_blocks,       own_lens, num_sets,
+                  shared_width, own_width,     per_kv, fixed_order != 0, nullptr,  own_skips};
+  run(query, reinterpret_cast<const E4M3*>(k_cache), reinterpret_cast<const E4M3*>(v_cache), plan, block, kv_heads,
+      dim, scale, out, threads);
+}
+
+void paged_decode_e5m2(const float* query, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* sets,
+                       const int64_t* shared_blocks, const int64_t* rows, const int64_t* own_blocks,
+                       const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width,
+                       int64_t block, int64_t kv_heads, int64_t per_kv, int64_t dim, float scale, float* out,
+                       int threads, int fixed_order, const int64_t* own_skips) {
+  const Plan plan{sets,         shared_blocks, rows,   own_blocks,       own_lens, num_sets,
+                  shared_width, own_width,     per_kv, fixed_order != 0, nullptr,  own_skips};
+  run(query, reinterpret_cast<const E5M2*>(k_cache), reinterpret_cast<const E5M2*>(v_cache), plan, block, kv_heads,
+      dim, scale, out, threads);
 }
 
 // A bfloat16 model over a bfloat16 pool where takes_tiles holds: queries and outputs in bfloat16 (the flat batch's
