@@ -1,0 +1,115 @@
+"""FP8 KV pools (engine.kv_cache_dtype=fp8, fp8_e4m3, fp8_e5m2): every KV store rounds as the torch one does, and
+every attention path over an FP8 pool gives what float32 attention gives over the same values widened: the FP8
+rounding is the data, the kernels add nothing beyond float32 (or bfloat16) arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchprefill.kernels.fp8 import to_cache
+from batchprefill.kernels.native import elementwise as native_elementwise
+from batchprefill.kernels.torch import elementwise as torch_elementwise
+from batchprefill.kernels.torch.ops import TorchOps
+from batchprefill.kernels.triton.ops import TritonOps
+from tests.synthetic import random_paged_batch
+from tests.test_paged_decode import both_paths
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+IDS = ["e4m3", "e5m2"]
+
+
+def every_code_and_midpoint(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of the format, every midpoint between neighbours (the ties), values a hair above the
+    midpoints, their negatives, and values far past the largest: `[n, 1, 64]` float32."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    codes = codes[codes.isfinite()].unique()
+    mids = (codes[:-1] + codes[1:]) / 2
+    values = torch.cat([codes, mids, mids * (1 + 2**-20), -mids, torch.tensor([1e6, -1e6, 7e4, 500.0])])
+    values = torch.cat([values, values.new_zeros(-len(values) % 64)])
+    return values.view(-1, 1, 64)
+
+
+def pools(tokens: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.zeros(tokens, 1, 1, 64, dtype=dtype) for _ in range(2)]
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=IDS)
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+def test_the_cpp_store_rounds_every_tie_and_saturates_as_the_torch_store(dtype, source):
+    values = every_code_and_midpoint(dtype).to(source)
+    slots = torch.arange(len(values))
+    cpp, reference = pools(len(values), dtype), pools(len(values), dtype)
+    native = native_elementwise.load()
+    assert native is not None, "the C++ store must build here"
+    native.store_kv(values, values, *cpp, slots)
+    torch_elementwise.store_kv(values, values, *reference, slots)
+    for got, want in zip(cpp, reference):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    largest = torch.finfo(dtype).max  # 1e6 saturates (e5m2: no infinity), the codes round trip exactly
+    assert reference[0].float().abs().max() == largest and reference[0].float().isfinite().all()
+    codes = values.float().flatten()[: (values.float().abs() <= largest).sum()]
+    assert torch.equal(to_cache(codes, dtype).float()[:100], codes[:100])
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=IDS)
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+def test_the_triton_store_rounds_every_tie_and_saturates_as_the_torch_store(dtype, source):
+    values = every_code_and_midpoint(dtype).to(source)
+    noise = torch.randn(64, 1, 64, generator=torch.Generator().manual_seed(0)) * 10  # carries as 1.9375 -> 2
+    slots = torch.arange(len(values) + 64)
+    for key in (values, noise.to(source)):
+        triton, reference = pools(len(slots), dtype), pools(len(slots), dtype)
+        key = key.reshape(-1, 1, 64)
+        TritonOps().store_kv(key, key, *triton, slots[: len(key)])
+        torch_elementwise.store_kv(key, key, *reference, slots[: len(key)])
+        for got, want in zip(triton, reference):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+# sequences as (cached context, new queries): a chunk after a cached prefix, a chunk alone, two decodes
+PREFILL_AND_DECODE = [(40, 25), (0, 20), (77, 1), (130, 1)]
+
+
+def fp8_batch(dtype: torch.dtype, query_dtype: torch.dtype, seed: int = 0):
+    query, k_cache, v_cache, meta = random_paged_batch(PREFILL_AND_DECODE, 6, 2, 64, 16, torch.float32, seed=seed)
+    k_cache, v_cache = (to_cache(cache * 4, dtype) for cache in (k_cache, v_cache))  # some values reach e4m3 subnormals
+    return query.to(query_dtype), k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=IDS)
+@pytest.mark.parametrize(("query_dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_triton_prefill_and_decode_over_an_fp8_pool_equal_float32_attention_on_the_widened_pool(
+        dtype, query_dtype, tolerance):
+    query, k_cache, v_cache, meta = fp8_batch(dtype, query_dtype)
+    got = TritonOps(block_m=16, block_n=32).attention(query, k_cache, v_cache, meta, 0.125)
+    want = TorchOps(native=False).attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=IDS)
+@pytest.mark.parametrize("native", [True, False], ids=["cpp-walks", "gathered"])
+def test_the_cpu_paths_over_an_fp8_pool_equal_float32_attention_on_the_widened_pool(dtype, native):
+    # the C++ walks (decodes and the chunk after a cached block) or the gathered torch calls (decode_groups.py,
+    # prefix_groups.py, a chunk alone), float32 queries: the widening is exact, so float32 noise only (scores up to
+    # about 30 here: the sums' order moves outputs by up to 2e-5)
+    query, k_cache, v_cache, meta = fp8_batch(dtype, torch.float32, seed=1)
+    got = TorchOps(native=native).attention(query, k_cache, v_cache, meta, 0.125)
+    want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=IDS)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 2, 128), (6, 3, 40)])
+def test_the_cpp_decode_walks_over_an_fp8_pool_equal_the_gathered_float32_path(dtype, query_dtype, heads,
+                                                                                kv_heads, dim):
+    # a set of 3 and one of 6 decodes (18 rows at 3 query heads per KV head: the vectorized shared walk), lone
+    # decodes; heads of 64 and 128 take the AVX-512 widening, 40 its scalar tail. bfloat16 queries give bfloat16
+    # outputs: one rounding, 2^-8 of values below 5
+    groups = [(3, [1, 15, 16]), (2, [32, 17, 7, 1, 16, 50]), (0, [5]), (0, [32])]
+    got, want, plan = both_paths(groups, heads, kv_heads, dim, 16, seed=dim, dtype=dtype, query_dtype=query_dtype)
+    assert type(plan).__name__ == "PagedPlan"
+    tolerance = 1e-5 if query_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+
