@@ -18,7 +18,7 @@ from batchprefill.malloc import keep_freed_memory
 from batchprefill.model.adapters import adapter_identity, load_adapters
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.families.base import GatedMLP
-from batchprefill.model.loader import LoadedModel, load_model, make_ops, resolve_device, resolve_dtype
+from batchprefill.model.loader import LoadedModel, load_model, make_ops, resolve_device, resolve_dtype, resolve_kv_dtype
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.prepare import ModelFiles, Prepared
 from batchprefill.settings import JobSettings
@@ -69,7 +69,7 @@ def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
     if device.type == "cpu" and settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     dtype = resolve_dtype(job.model.dtype, device)
-    kv_dtype = dtype if settings.kv_cache_dtype == "auto" else resolve_dtype(settings.kv_cache_dtype, device)
+    kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, dtype)
     ops = make_ops(settings.attention_backend, device, settings.batch_invariant)
     loaded = load_model(files.folder, dtype, device, ops, files.config, files.identity)
     adapter_scope = attach_job_adapters(job, loaded, files.config, dtype, device)

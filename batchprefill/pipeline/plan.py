@@ -111,11 +111,11 @@ def kv_element_bytes(job: JobSettings) -> int:
     """
     import torch
 
-    from batchprefill.model.loader import resolve_device, resolve_dtype
+    from batchprefill.model.loader import resolve_device, resolve_dtype, resolve_kv_dtype
 
     device = torch.device("cuda") if job.engine.device == "cuda" else resolve_device(job.engine.device)
-    name = job.engine.kv_cache_dtype if job.engine.kv_cache_dtype != "auto" else job.model.dtype
-    return torch.finfo(resolve_dtype(name, device)).bits // BITS_PER_BYTE
+    kv_dtype = resolve_kv_dtype(job.engine.kv_cache_dtype, resolve_dtype(job.model.dtype, device))
+    return torch.finfo(kv_dtype).bits // BITS_PER_BYTE
 
 
 def plan_row(tally: Tally, model: ModelConfig, element_bytes: int, link_gbps: float) -> dict:
