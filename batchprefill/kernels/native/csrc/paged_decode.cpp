@@ -126,6 +126,21 @@ inline void widen_fp8(const Fp8* source, float* target, int64_t count) {
 inline void widen(const E4M3* source, float* target, int64_t count) { widen_fp8(source, target, count); }
 inline void widen(const E5M2* source, float* target, int64_t count) { widen_fp8(source, target, count); }
 
+template <typename Cache>
+constexpr bool kFp8 = std::is_same_v<Cache, E4M3> || std::is_same_v<Cache, E5M2>;
+
+// An FP8 block as bfloat16 bits, for the pair products (score_tiles_paired): every e4m3 and e5m2 value is a bfloat16
+// exactly (3 and 2 mantissa bits, exponents within bfloat16's), so the upper half of its float32 is the value.
+template <typename Fp8>
+inline void narrow_to_bfloat16(const Fp8* source, uint16_t* target, float* widened, int64_t count) {
+  widen_fp8(source, widened, count);
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, widened + i, 4);
+    target[i] = static_cast<uint16_t>(bits >> 16);
+  }
+}
+
 // exp(x) for x <= 0 (every exponent here is a score minus a running maximum), written so loops over it
 // vectorize: Cephes' expf polynomial on x - n ln2, times 2^n built in the exponent bits (relative error about
 // 1e-7; below -87, where expf is under 1.7e-38, it returns 2^-126, nothing beside the maximum's exp(0) = 1).
@@ -171,6 +186,7 @@ struct Pool {
 struct Scratch {
   std::vector<float> keys, values, scores, rescales, rows, transposed;
   std::vector<uint32_t> pairs;  // a set's queries as bfloat16 pairs, [heads][dim / 2][padded rows] (walk_many)
+  std::vector<uint16_t> narrow_keys;  // an FP8 block's keys as bfloat16, for the pair products
 };
 
 inline float dot_plain(const float* a, const float* b, int64_t dim) {
@@ -403,14 +419,14 @@ inline void score_tiles_paired(const uint32_t* query, int64_t padded, int64_t ti
 #endif
 
 // A set's scores against a block's keys, 48, 32 or 16 rows at a time: from float32 queries (`transposed`, scaled)
-// or, where `paired` is given, from bfloat16 query pairs over a bfloat16 pool (unscaled; see score_tiles_paired).
-template <int Tiles, typename Cache>
+// or, where `paired` is given, from bfloat16 query pairs over the block's keys as bfloat16 (`pair_keys`: a bfloat16
+// pool itself, or an FP8 block narrowed; unscaled, see score_tiles_paired).
+template <int Tiles>
 inline void score_head(const float* transposed, const uint32_t* paired, int64_t padded, int64_t tile, const float* k,
-                       const Cache* raw, int64_t stride, int64_t count, int64_t dim, float scale, float* scores) {
+                       const uint16_t* pair_keys, int64_t stride, int64_t count, int64_t dim, float scale,
+                       float* scores) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<Cache, uint16_t>) {
-    if (paired) return score_tiles_paired<Tiles>(paired, padded, tile, raw, stride, count, dim, scale, scores);
-  }
+  if (paired) return score_tiles_paired<Tiles>(paired, padded, tile, pair_keys, stride, count, dim, scale, scores);
 #endif
   score_tiles<Tiles>(transposed, padded, tile, k, stride, count, dim, scores);
 }
@@ -430,7 +446,14 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
     const Cache* raw_keys = pool.k_cache + blocks[b] * pool.block_stride;
     const float* k = nullptr;
     const float* v = nullptr;
-    if (paired) {  // the keys stay bfloat16; only the values are widened
+    const uint16_t* pair_keys = nullptr;
+    if (paired) {  // the keys stay bfloat16 (an FP8 pool's are narrowed to it); only the values are widened
+      if constexpr (kFp8<Cache>) {
+        narrow_to_bfloat16(raw_keys, s.narrow_keys.data(), s.keys.data(), count * stride);
+        pair_keys = s.narrow_keys.data();
+      } else if constexpr (std::is_same_v<Cache, uint16_t>) {
+        pair_keys = raw_keys;
+      }
       widen(pool.v_cache + blocks[b] * pool.block_stride, s.values.data(), count * stride);
       v = s.values.data();
     } else {
@@ -446,13 +469,16 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
       for (int64_t tile = 0; tile < padded;) {
         const int64_t left = (padded - tile) / 16;
         if (left >= 3) {
-          score_head<3>(query, pairs, padded, tile, key, raw_keys + h * dim, stride, count, dim, scale, scores);
+          score_head<3>(query, pairs, padded, tile, key, pair_keys ? pair_keys + h * dim : nullptr, stride, count,
+                        dim, scale, scores);
           tile += 48;
         } else if (left == 2) {
-          score_head<2>(query, pairs, padded, tile, key, raw_keys + h * dim, stride, count, dim, scale, scores);
+          score_head<2>(query, pairs, padded, tile, key, pair_keys ? pair_keys + h * dim : nullptr, stride, count,
+                        dim, scale, scores);
           tile += 32;
         } else {
-          score_head<1>(query, pairs, padded, tile, key, raw_keys + h * dim, stride, count, dim, scale, scores);
+          score_head<1>(query, pairs, padded, tile, key, pair_keys ? pair_keys + h * dim : nullptr, stride, count,
+                        dim, scale, scores);
           tile += 16;
         }
       }
@@ -815,7 +841,8 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
     s.rescales.resize(padded);
     s.rows.resize(kv_heads * padded * dim);
     s.transposed.resize(kv_heads * dim * padded);
-    if (kPairs && std::is_same_v<Cache, uint16_t>) s.pairs.resize(kv_heads * (dim / 2) * padded);
+    if (kPairs && (std::is_same_v<Cache, uint16_t> || kFp8<Cache>)) s.pairs.resize(kv_heads * (dim / 2) * padded);
+    if (kPairs && kFp8<Cache>) s.narrow_keys.resize(block * pool.token_stride);
     std::vector<float> state(kv_heads * padded * (2 + dim));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t set = 0; set < num_sets; ++set) {
@@ -832,7 +859,7 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
       std::fill(sums, sums + kv_heads * width, 0.0f);
       std::fill(acc, acc + kv_heads * n * dim, 0.0f);
       const uint32_t* paired = nullptr;  // the rows as bfloat16 pairs, read from `query` itself
-      if constexpr (kPairs && std::is_same_v<Cache, uint16_t>) {
+      if constexpr (kPairs && (std::is_same_v<Cache, uint16_t> || kFp8<Cache>)) {
         if (many &&
             pair_queries(query, rows + first, members, row_stride, kv_heads, per_kv, dim, width, s.pairs.data()))
           paired = s.pairs.data();
