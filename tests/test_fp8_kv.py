@@ -149,9 +149,10 @@ def test_the_plan_counts_fp8_kv_at_one_byte_an_element(tmp_path):
     assert {kv: row["kv_bytes_per_token"] for kv, row in rows.items()} == {"auto": 46080, "fp8": 11520}
 
 
-def test_a_job_with_fp8_kv_answers_as_with_float32_kv_and_its_cache_scope_names_the_kv_dtype(monkeypatch):
+def test_a_job_with_fp8_kv_answers_as_with_float32_kv_and_its_cache_scope_names_the_kv_dtype(monkeypatch, capsys):
     # the shipped model greedy over 8 short prompts, 12 tokens each: FP8 K and V (7% error in an attention output,
-    # kernels/fp8.py) leave the answers' first tokens as they were; the two jobs' blocks can never match
+    # kernels/fp8.py) leave the answers' first tokens as they were; the two jobs' blocks can never match; the
+    # summary counts 46,080 bytes a token in float32 and 11,520 in FP8
     scopes = []
     engine = build_engine.Engine
 
@@ -170,3 +171,6 @@ def test_a_job_with_fp8_kv_answers_as_with_float32_kv_and_its_cache_scope_names_
     assert len(scopes) == 2 and scopes[0] != scopes[1]
     assert [str(s) for s in scopes[0] if "float8" in str(s) or "float32" in str(s)] == ["torch.float32"] * 2
     assert "torch.float8_e4m3fn" in scopes[1] and "torch.float32" in scopes[1]
+    summary = capsys.readouterr().err
+    assert " tokens in float32, 46,080 bytes a token" in summary
+    assert " tokens in float8_e4m3fn, 11,520 bytes a token" in summary

@@ -18,6 +18,7 @@ from batchprefill.io.atomic import write_records
 from batchprefill.io.columns import ROW
 from batchprefill.io.formats import input_format
 from batchprefill.io.results import Outcome, ResultWriter, done_ids
+from batchprefill.model.config import ModelConfig
 from batchprefill.model.loader import dtype_choice, resolve_device
 from batchprefill.pipeline.build_engine import JobModel, build_engine, engine_on, structured_outputs
 from batchprefill.pipeline.manifest import PARTITION_SCHEMA, partition_path, partition_records, read_partition
@@ -87,8 +88,17 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     if sharding.num_shards == 1:  # shards: the merge finishes the outputs
         input_format(job.data.format).finish_outputs(out, job.model.name, prepared.model.tokenizer.decode_one)
     figure = write_run_figure(stats_folder, "batchprefill") if job.output.plot else None
-    print_run_summary(stats, out, figure, dtype_choice(job.model.dtype, resolve_device(job.engine.device)))
+    print_run_summary(stats, out, figure, dtype_choice(job.model.dtype, resolve_device(job.engine.device)),
+                      kv_pool_line(engine, prepared.model.config))
     return stats
+
+
+def kv_pool_line(engine: Engine, config: ModelConfig) -> str:
+    """"a KV pool of 8,192 tokens in float8_e4m3fn, 11,520 bytes a token": what engine.kv_cache_dtype bought."""
+    cache = engine.runner.kv_caches[0][0]
+    tokens = engine.config.num_blocks * engine.config.settings.block_size
+    per_token = config.kv_bytes_per_token(cache.element_size())
+    return f"a KV pool of {tokens:,} tokens in {str(cache.dtype).removeprefix('torch.')}, {per_token:,} bytes a token"
 
 
 def _committed_ids(job: JobSettings, results_dir) -> set:

@@ -8,12 +8,13 @@ from pathlib import Path
 from batchprefill.units import readable_bytes
 
 
-def print_run_summary(job: dict, out: Path, figure: Path | None, precision: str) -> None:
+def print_run_summary(job: dict, out: Path, figure: Path | None, precision: str, kv_pool: str) -> None:
     """The job's statistics row (report.stats.job_row) in a few sentences, the precision it ran in and why
-    (`model.loader.dtype_choice`), and where its files and figure are."""
+    (`model.loader.dtype_choice`), its KV pool (`kv_pool`: tokens, element type, bytes a token), and where its
+    files and figure are."""
     print(
         f"batchprefill: {job['num_requests']} requests ({job['num_errors']} errors) in {job['wall_seconds']:.1f} s, "
-        f"in {precision}. "
+        f"in {precision}; {kv_pool}. "
         f"Of {job['prompt_tokens']} prompt tokens, {job['cached_tokens']} came from the prefix cache "
         f"({job['cache_hit_rate']:.1%}) and {job['computed_prompt_tokens']} were computed "
         f"({job['prefill_tokens_per_second']:.0f} tokens/s); {job['output_tokens']} tokens were generated "
