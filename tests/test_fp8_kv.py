@@ -20,7 +20,8 @@ from batchprefill.model.families import read_config
 from batchprefill.model.loader import resolve_kv_dtype
 from tests.synthetic import random_paged_batch
 from tests.test_api import PROMPTS
-from tests.test_paged_decode import both_paths
+from tests.test_paged_decode import both_paths, decodes
+from tests.test_prefix_groups import flat_batch
 
 E4M3 = torch.float8_e4m3fn
 FP8 = [E4M3, torch.float8_e5m2]
@@ -174,3 +175,20 @@ def test_a_job_with_fp8_kv_answers_as_with_float32_kv_and_its_cache_scope_names_
     summary = capsys.readouterr().err
     assert " tokens in float32, 46,080 bytes a token" in summary
     assert " tokens in float8_e4m3fn, 11,520 bytes a token" in summary
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=IDS)
+def test_the_cpp_walks_widen_every_fp8_code_exactly(dtype):
+    # every finite code (e4m3: 253 values from -448 to 448, subnormals and zeros included) in K and V of 5 decodes,
+    # shared and own blocks, heads of 64 (the vector widening and no scalar tail): a wrong code moves an output by
+    # a share of its value, where float32 sums of values up to the format's largest (448, 57344) move it by 1e-5 of it
+    tables, lens = decodes([(2, [16, 16, 16]), (0, [33, 40])], 16)
+    query, k_cache, v_cache, meta = flat_batch([1] * 5, lens, tables, 6, 2, 64, 16, num_blocks=16, seed=0)
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    codes = codes[codes.float().isfinite()]
+    count = k_cache.numel()
+    k_cache = codes[torch.arange(count) % len(codes)].view(k_cache.shape)
+    v_cache = codes[torch.randperm(count, generator=torch.Generator().manual_seed(0)) % len(codes)].view(v_cache.shape)
+    got = TorchOps().attention(query, k_cache, v_cache, meta, 1e-3)
+    want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 1e-3)
+    torch.testing.assert_close(got, want, atol=1e-5 * torch.finfo(dtype).max, rtol=1e-5)

@@ -96,26 +96,25 @@ inline void widen_fp8(const Fp8* source, float* target, int64_t count) {
 #if defined(__AVX512F__)
   const __m512 factor = _mm512_set1_ps(kFactor);
   for (; i + 16 <= count; i += 16) {
-    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i)));
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i));
     __m256i half;
-    if constexpr (kE4M3) {
-      half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8),
-                             _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7));
+    if constexpr (kE4M3) {  // sign-extended, shifted by 7: the sign lands in bit 15; its copy in bit 14 is cleared
+      half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7),
+                              _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
     } else {
-      half = _mm256_slli_epi16(wide, 8);
+      half = _mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8);
     }
     _mm512_storeu_ps(target + i, _mm512_mul_ps(_mm512_cvtph_ps(half), factor));
   }
 #elif defined(__AVX2__) && defined(__F16C__)
   const __m256 factor = _mm256_set1_ps(kFactor);
   for (; i + 8 <= count; i += 8) {
-    const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + i)));
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + i));
     __m128i half;
-    if constexpr (kE4M3) {
-      half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8),
-                          _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7F)), 7));
+    if constexpr (kE4M3) {  // as above
+      half = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(raw), 7), _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
     } else {
-      half = _mm_slli_epi16(wide, 8);
+      half = _mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8);
     }
     _mm256_storeu_ps(target + i, _mm256_mul_ps(_mm256_cvtph_ps(half), factor));
   }
