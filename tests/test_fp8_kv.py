@@ -97,13 +97,14 @@ def test_triton_prefill_and_decode_over_an_fp8_pool_equal_float32_attention_on_t
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=IDS)
-@pytest.mark.parametrize("native", [True, False], ids=["cpp-walks", "gathered"])
-def test_the_cpu_paths_over_an_fp8_pool_equal_float32_attention_on_the_widened_pool(dtype, native):
-    # the C++ walks (decodes and the chunk after a cached block) or the gathered torch calls (decode_groups.py,
-    # prefix_groups.py, a chunk alone), float32 queries: the widening is exact, so float32 noise only (scores up to
-    # about 30 here: the sums' order moves outputs by up to 2e-5)
+@pytest.mark.parametrize("ops", [dict(native=True), dict(native=False), dict(batch_invariant=True)],
+                         ids=["cpp-walks", "gathered", "batch-invariant"])
+def test_the_cpu_paths_over_an_fp8_pool_equal_float32_attention_on_the_widened_pool(dtype, ops):
+    # the C++ walks (decodes and the chunk after a cached block; every row under batch invariance) or the gathered
+    # torch calls (decode_groups.py, prefix_groups.py, a chunk alone), float32 queries: the widening is exact, so
+    # float32 noise only (scores up to about 30 here: the sums' order moves outputs by up to 2e-5)
     query, k_cache, v_cache, meta = fp8_batch(dtype, torch.float32, seed=1)
-    got = TorchOps(native=native).attention(query, k_cache, v_cache, meta, 0.125)
+    got = TorchOps(**ops).attention(query, k_cache, v_cache, meta, 0.125)
     want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.125)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
