@@ -43,6 +43,7 @@ import triton  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 from batchprefill.engine.decode_graphs import PaddedDecode  # noqa: E402
+from batchprefill.kernels.fp8_kv import to_cache  # noqa: E402
 from batchprefill.kernels.interface import AttentionMetadata  # noqa: E402
 from batchprefill.kernels.shared_prefix import DecodeGroups  # noqa: E402
 from batchprefill.kernels.torch.ops import TorchOps  # noqa: E402
@@ -346,9 +347,11 @@ def bench_prefill(plan: Plan, device: torch.device, dtype: torch.dtype, ceilings
     return rows
 
 
-def bench_decode(plan: Plan, device: torch.device, dtype: torch.dtype, ceilings: dict, timer: Timer) -> list[dict]:
+def bench_decode(plan: Plan, device: torch.device, dtype: torch.dtype, ceilings: dict, timer: Timer,
+                 kv_dtype: torch.dtype | None = None) -> list[dict]:
     """Decode attention as the engine's graphs replay it: the grid planned for `graph_max_positions`,
-    each context split on the device."""
+    each context split on the device. `kv_dtype` (an FP8 dtype): the pool in it, GB/s counting its bytes, and each
+    row's largest difference from the torch path over the same pool widened (`max_err`)."""
     rows = []
     shape = plan.shape
     for context in plan.decode_contexts:
@@ -360,6 +363,13 @@ def bench_decode(plan: Plan, device: torch.device, dtype: torch.dtype, ceilings:
                 device)
             meta.seq_lens_host = [plan.graph_max_positions] * batch
             ops, scale = TritonOps(**plan.ops_settings), shape.head_dim**-0.5
+            checked = {}
+            if kv_dtype is not None:
+                k_cache, v_cache = to_cache(k_cache, kv_dtype), to_cache(v_cache, kv_dtype)
+                true_meta = replace(meta, seq_lens_host=[context] * batch)
+                got = ops.attention(query, k_cache, v_cache, true_meta, scale).float()
+                want = TorchOps().attention(query.float(), k_cache.float(), v_cache.float(), true_meta, scale)
+                checked = {"max_err": (got - want).abs().max().item()}
             triton_ms = timer(partial(ops.attention, query, k_cache, v_cache, meta, scale), graph=True)
             q = query.unsqueeze(2)  # [B, Hq, 1, D]
             k, v = (torch.randn(batch, shape.kv_heads, context, shape.head_dim, dtype=dtype, device=device)
@@ -370,7 +380,7 @@ def bench_decode(plan: Plan, device: torch.device, dtype: torch.dtype, ceilings:
             rows.append({
                 "batch": batch, "context": context, "grid_segments": ops.decode_segments(meta, shape.kv_heads),
                 "triton_ms": triton_ms, "gbps": gbps, "frac_copy_bw": gbps / ceilings["copy_gbps"],
-                "sdpa_ms": sdpa_ms, "speed_vs_sdpa": sdpa_ms / triton_ms,
+                "sdpa_ms": sdpa_ms, "speed_vs_sdpa": sdpa_ms / triton_ms, **checked,
             })
             del query, k_cache, v_cache, q, k, v
     return rows
@@ -583,6 +593,10 @@ def main() -> None:
                         "own KV at copy bandwidth; ungrouped: the split-K decode on the same blocks)", shared)
             results["check_failures"] += [f"shared decode {r['shape']} {r['groups']}x{r['members']} rows "
                                           f"{r['shared_rows']}" for r in shared if not r["max_err"] <= TOLERANCE]
+        fp8 = section("decode_fp8", lambda: bench_decode(plan, device, dtype, ceilings, timer, torch.float8_e4m3fn))
+        if fp8:
+            print_table("decode attention over an FP8 (e4m3) pool: GB/s counts its bytes, speed_vs_sdpa is against "
+                        "bf16 SDPA, max_err against the torch path on the widened pool", fp8)
     moe = section("moe", lambda: gpu_moe.run(args.smoke, device, lambda fn, _, graph=False: timer(fn, graph=graph)))
     if moe:
         print_table("fused MoE against the per-expert torch loop (bf16)", moe)

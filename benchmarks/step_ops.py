@@ -3,6 +3,7 @@
     python benchmarks/step_ops.py                       # this checkout
     python benchmarks/step_ops.py --baseline REV        # and, in the same run, the code at git REV
     python benchmarks/step_ops.py --job reward          # a prefill-only job instead: seconds over all its steps
+    python benchmarks/step_ops.py --kv-cache-dtype fp8  # with engine.kv_cache_dtype=fp8 (default auto)
 
 Runs `decode512`'s 80 rows (benchmarks/workloads.py) for `--tokens` output tokens each, in `--dtype` (float32 by
 default), 2 threads, with a timer around every call of each op kind (linear layers, the LM head's pick, attention
@@ -116,7 +117,8 @@ def measure(args) -> dict:
                     f"model.dtype={args.dtype}", "engine.kv_cache_tokens=65536", f"engine.num_threads={args.threads}",
                     "engine.max_batched_tokens=2048", "engine.max_num_seqs=256",
                     "output.progress=false", "output.plot=false", f"hydra.run.dir={work}/hydra",
-                    *(["engine.batch_invariant=true"] * args.batch_invariant)]  # a revision before it lacks the key
+                    *(["engine.batch_invariant=true"] * args.batch_invariant),  # a revision before it lacks the key
+                    *([f"engine.kv_cache_dtype={args.kv_cache_dtype}"] * (args.kv_cache_dtype != "auto"))]
         try:
             run_main()
         except SystemExit as end:
@@ -135,6 +137,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch-invariant", action="store_true", help="with engine.batch_invariant=true")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="engine.kv_cache_dtype (auto: the model's dtype)")
     parser.add_argument("--baseline", help="a git revision to measure too, in the same run")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path)
@@ -157,7 +160,7 @@ def main() -> None:
         print(f"| {name} | {row[steps]} | " + " | ".join(str(row.get(label, "")) for label in labels) + " |")
     if args.out:
         settings = {"job": args.job, "tokens": args.tokens, "threads": args.threads, "dtype": args.dtype,
-                    "batch_invariant": args.batch_invariant}
+                    "batch_invariant": args.batch_invariant, "kv_cache_dtype": args.kv_cache_dtype}
         args.out.write_text(json.dumps({**settings, **rows}, indent=1))
 
 
@@ -165,7 +168,7 @@ def _child(tree: Path, args) -> dict:
     """This script, run from `tree`'s code (the script itself always from this checkout)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--job", args.job, "--tokens",
                str(args.tokens), "--threads", str(args.threads), "--dtype", args.dtype,
-               *(["--batch-invariant"] * args.batch_invariant)]
+               *(["--batch-invariant"] * args.batch_invariant), "--kv-cache-dtype", args.kv_cache_dtype]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(command, check=True, capture_output=True, text=True, env=env, cwd=tree)
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -109,5 +109,5 @@ def test_a_cpu_job_at_the_defaults_runs_256_by_2048_and_its_summary_says_auto_ch
     finally:
         signal.signal(signal.SIGTERM, sigterm)
     assert stats["max_batched_tokens"] == 2048
-    assert ", with engine.max_num_seqs=256 and engine.max_batched_tokens=2048 (auto on the CPU). " in (
+    assert ", with engine.max_num_seqs=256 and engine.max_batched_tokens=2048 (auto on the CPU); a KV pool of " in (
         capsys.readouterr().err)

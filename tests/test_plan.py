@@ -84,7 +84,8 @@ def test_a_run_summary_says_1_request_1_error_and_names_no_folder_a_temporary_jo
     job = {"num_requests": 1, "num_errors": 1, "wall_seconds": 0.5, "prompt_tokens": 0, "cached_tokens": 0,
            "cache_hit_rate": 0.0, "computed_prompt_tokens": 0, "prefill_tokens_per_second": 0.0, "output_tokens": 0,
            "output_tokens_per_second": 0.0, "evicted_blocks": 0, "preemptions": 0}
-    print_run_summary(job, tmp_path, None, "float32", temporary=True)
+    pool = "a KV pool of 16 tokens in float32, 4 bytes a token"
+    print_run_summary(job, tmp_path, None, "float32", pool, temporary=True)
     line = capsys.readouterr().err
     assert line.startswith("batchprefill: 1 request (1 error) in 0.5 s")
     assert str(tmp_path) not in line and line.rstrip().endswith("their temporary folder is removed.")

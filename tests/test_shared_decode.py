@@ -188,3 +188,18 @@ def test_group_counts_and_prefix_splits_that_change_every_step_are_not_specializ
         declared = kernel.kwargs if hasattr(kernel, "kwargs") else vars(kernel)  # interpreter or compiler
         assert names <= set(declared["do_not_specialize"])
         assert names <= set(declared["do_not_specialize_on_alignment"])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_the_group_programs_widen_an_fp8_pool_as_every_kernel_does(kv_dtype) -> None:
+    """The same 12 rows over an FP8 pool (engine.kv_cache_dtype=fp8): the prefix read once per group and each row's
+    own blocks equal float32 attention over the widened pool."""
+    from batchprefill.kernels.fp8_kv import to_cache
+
+    query, k_cache, v_cache, meta = grouped_batch(SPECS, GROUPS, 8, 2, 64, 8)
+    k_cache, v_cache = (to_cache(cache, kv_dtype) for cache in (k_cache, v_cache))
+    ops = TritonOps(block_n=16, decode_min_segment=16, shared_rows=16)
+    assert ops.plan(meta, k_cache, 8, torch.float32).plan.decode_groups is not None
+    got = ops.attention(query, k_cache, v_cache, meta, 0.125)
+    want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

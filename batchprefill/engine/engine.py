@@ -73,6 +73,7 @@ class Engine:
         self.capacity = config.num_blocks * settings.block_size  # KV slots: what no request may exceed
         self.pool = BlockPool(config.num_blocks)
         self.scheduler = Scheduler(self.pool, settings, model_scope)
+        self.kv_dtype = kv_dtype
         self.runner = ModelRunner(model, config.num_blocks, settings.block_size, kv_dtype, device,
                                   config.padded_decode, settings.max_num_seqs, on_phase)
         self.counters = EngineCounters()

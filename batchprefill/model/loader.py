@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from batchprefill.errors import JobError
+from batchprefill.kernels.fp8_kv import KV_CACHE_DTYPES
 from batchprefill.kernels.interface import Ops
 from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.model.config import ModelConfig
@@ -99,6 +100,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" or multiplies_bfloat16(device) else torch.float32
     if name not in DTYPES:
         raise JobError(f"dtype {name!r}: choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """engine.kv_cache_dtype: auto = the model's dtype; a model dtype by name; or FP8 (kernels/fp8_kv.py says why
+    plain fp8 is e4m3)."""
+    if name == "auto":
+        return model_dtype
+    if name in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[name]
+    if name not in DTYPES:
+        raise JobError(f"engine.kv_cache_dtype {name!r}: choose auto, {', '.join([*DTYPES, *KV_CACHE_DTYPES])}")
     return DTYPES[name]
 
 

@@ -28,6 +28,7 @@ from batchprefill.model.loader import (
     quantization_choice,
     resolve_device,
     resolve_dtype,
+    resolve_kv_dtype,
 )
 from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.engine_sizes import ceiling_num_seqs, resolve_sizes
@@ -84,7 +85,7 @@ def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
     if device.type == "cpu" and settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     dtype = resolve_dtype(job.model.dtype, device)
-    kv_dtype = dtype if settings.kv_cache_dtype == "auto" else resolve_dtype(settings.kv_cache_dtype, device)
+    kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, dtype)
     ops = make_ops(settings.attention_backend, device, settings.batch_invariant)
     with device_memory(device, f"model {files.folder} in {str(dtype).removeprefix('torch.')}",
                        "use a GPU with more memory or a smaller model"):

@@ -125,13 +125,13 @@ def planned_device(job: JobSettings) -> torch.device:
 
 
 def kv_element_bytes(job: JobSettings) -> int:
-    """Bytes per KV element as a run on these settings would store them (auto = the model's dtype)."""
+    """Bytes per KV element as a run on these settings would store them (auto = the model's dtype; fp8: one)."""
     import torch
 
-    from batchprefill.model.loader import resolve_dtype
+    from batchprefill.model.loader import resolve_dtype, resolve_kv_dtype
 
-    name = job.engine.kv_cache_dtype if job.engine.kv_cache_dtype != "auto" else job.model.dtype
-    return torch.finfo(resolve_dtype(name, planned_device(job))).bits // BITS_PER_BYTE
+    kv_dtype = resolve_kv_dtype(job.engine.kv_cache_dtype, resolve_dtype(job.model.dtype, planned_device(job)))
+    return torch.finfo(kv_dtype).bits // BITS_PER_BYTE
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from batchprefill.io.atomic import write_records
 from batchprefill.io.columns import ROW
 from batchprefill.io.formats import input_format
 from batchprefill.io.results import Outcome, ResultWriter, done_ids
+from batchprefill.model.config import ModelConfig
 from batchprefill.model.loader import dtype_choice, resolve_device
 from batchprefill.model.quantization import job_quantization
 from batchprefill.pipeline.build_engine import JobModel, build_engine, engine_on, structured_outputs
@@ -100,8 +101,17 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     figure = write_run_figure(stats_folder, "batchprefill") if job.output.plot else None
     quantization = job_quantization(prepared.model.config.quantization, job.model.quantization)
     precision = dtype_choice(job.model.dtype, resolve_device(job.engine.device), quantization)
-    print_run_summary(stats, out, figure, precision, engine.config.sizes_summary, job.output.temporary)
+    print_run_summary(stats, out, figure, precision, kv_pool_line(engine, prepared.model.config),
+                      engine.config.sizes_summary, job.output.temporary)
     return stats
+
+
+def kv_pool_line(engine: Engine, config: ModelConfig) -> str:
+    """"a KV pool of 8,192 tokens in float8_e4m3fn, 11,520 bytes a token": what engine.kv_cache_dtype bought."""
+    tokens = engine.config.num_blocks * engine.config.settings.block_size  # the pool itself is given back by now
+    dtype = engine.kv_dtype
+    per_token = config.kv_bytes_per_token(dtype.itemsize)
+    return f"a KV pool of {tokens:,} tokens in {str(dtype).removeprefix('torch.')}, {per_token:,} bytes a token"
 
 
 def _committed_ids(job: JobSettings, prepared: Prepared, results_dir) -> set:

@@ -8,18 +8,18 @@ from pathlib import Path
 from batchprefill.units import counted, readable_bytes
 
 
-def print_run_summary(job: dict, out: Path, figure: Path | None, precision: str, sizes: str = "",
+def print_run_summary(job: dict, out: Path, figure: Path | None, precision: str, kv_pool: str, sizes: str = "",
                       temporary: bool = False) -> None:
     """The job's statistics row (report.stats.job_row) in a few sentences, the precision it ran in and why
-    (`model.loader.dtype_choice`), the step sizes engine.*=auto chose (`sizes`, "" when none was auto), and where
-    its files and figure are; a job in a temporary folder (the Python API without output.dir) names none, as the
-    folder is gone when the call returns."""
+    (`model.loader.dtype_choice`), the step sizes engine.*=auto chose (`sizes`, "" when none was auto), its KV pool
+    (`kv_pool`: tokens, element type, bytes a token), and where its files and figure are; a job in a temporary
+    folder (the Python API without output.dir) names none, as the folder is gone when the call returns."""
     where = ("The results are returned; their temporary folder is removed." if temporary
              else f"Results and statistics are in {out}.")
     print(
         f"batchprefill: {counted(job['num_requests'], 'request')} ({counted(job['num_errors'], 'error')}) "
         f"in {job['wall_seconds']:.1f} s, "
-        f"in {precision}{', with ' + sizes if sizes else ''}. "
+        f"in {precision}{', with ' + sizes if sizes else ''}; {kv_pool}. "
         f"Of {job['prompt_tokens']} prompt tokens, {job['cached_tokens']} came from the prefix cache "
         f"({job['cache_hit_rate']:.1%}) and {job['computed_prompt_tokens']} were computed "
         f"({job['prefill_tokens_per_second']:.0f} tokens/s); {job['output_tokens']} tokens were generated "

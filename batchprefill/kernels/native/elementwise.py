@@ -1,7 +1,7 @@
 """RMSNorm (residual add folded in), RoPE and the KV store on the CPU, one pass over each row in C++
 (`kernels/native/csrc/elementwise.cpp`, built and loaded by `build.py`); the source says why. Float32 and bfloat16
-CPU tensors take it (every tensor of a call in one dtype); anything else runs the torch ops
-(`kernels/torch/elementwise.py`), which are also its reference."""
+CPU tensors take it (every tensor of a call in one dtype; the store also into an FP8 pool); anything else runs the
+torch ops (`kernels/torch/elementwise.py`), which are also its reference."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import ctypes
 
 import torch
 
+from batchprefill.kernels.fp8_kv import is_fp8
 from batchprefill.kernels.native import build as native
 from batchprefill.kernels.torch import elementwise as torch_elementwise
 
@@ -33,6 +34,10 @@ class NativeElementwise:
         self._rope = {dtype: _function(library, f"rope_{suffix}", rope_arguments) for dtype, suffix in SUFFIXES.items()}
         self._store = _function(library, "store_kv", [pointer, size, pointer, size, pointer, size, size, pointer,
                                                       pointer])
+        self._store_fp8 = {dtype: _function(library, f"store_kv_fp8_{suffix}", [pointer, size, pointer, size, pointer,
+                                                                                 size, size, pointer, pointer,
+                                                                                 ctypes.c_int])
+                           for dtype, suffix in SUFFIXES.items()}
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,11 +71,19 @@ class NativeElementwise:
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """As `torch_elementwise.store_kv`: key and value `[T, Hkv, D]` into the pool at their slots (-1: skipped)."""
+        """As `torch_elementwise.store_kv`: key and value `[T, Hkv, D]` into the pool at their slots (-1: skipped);
+        into an FP8 pool rounded as `fp8.to_cache` rounds."""
         tokens, heads, dim = key.shape
-        if not (_takes(key, value, k_cache, v_cache) and _rows(key) and _rows(value) and k_cache.is_contiguous()
+        fp8 = is_fp8(k_cache.dtype) and k_cache.dtype == v_cache.dtype
+        pool = (key, value) if fp8 else (key, value, k_cache, v_cache)
+        if not (_takes(*pool) and _rows(key) and _rows(value) and k_cache.is_contiguous()
                 and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
             return torch_elementwise.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        if fp8:
+            self._store_fp8[key.dtype](key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                       slot_mapping.data_ptr(), tokens, heads * dim, k_cache.data_ptr(),
+                                       v_cache.data_ptr(), int(k_cache.dtype == torch.float8_e5m2))
+            return
         size = key.element_size()
         self._store(key.data_ptr(), key.stride(0) * size, value.data_ptr(), value.stride(0) * size,
                     slot_mapping.data_ptr(), tokens, heads * dim * size, k_cache.data_ptr(), v_cache.data_ptr())

@@ -33,7 +33,8 @@ from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.native import build as native
 from batchprefill.kernels.shared_prefix import by_deepest_prefix
 
-_ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16",
+                 torch.float8_e4m3fn: "paged_decode_e4m3", torch.float8_e5m2: "paged_decode_e5m2"}
 
 # A set holds at most this many query rows (members x query heads per KV head): a larger group is split into
 # sets that each read the shared prefix once, so one big group still spreads over the threads (work items are

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from batchprefill.kernels.fp8_kv import is_fp8, to_cache
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,8 +31,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if bool((slot_mapping < 0).any()):  # only padded batches skip rows: avoid masking the common case
         keep = slot_mapping >= 0
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for source, cache in ((key, k_cache), (value, v_cache)):
+        stored = to_cache(source, cache.dtype)
+        if is_fp8(cache.dtype):  # torch's index_copy_ has no FP8 kernel: the bytes are copied as bytes
+            stored, cache = stored.view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, stored)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,14 @@ def interpreting() -> bool:
 
 
 @triton.jit
+def load_kv(pointers, mask, dtype: tl.constexpr):
+    """A tile of K or V from the pool in the compute `dtype`, masked lanes zero: an FP8 pool's bytes are widened
+    here, in registers (kernels/fp8_kv.py: scale 1.0 per tensor, so the widened value is the value), so every kernel
+    that reads the pool through this takes FP8 pools as it takes 16-bit ones, and reads half the bytes."""
+    return tl.load(pointers, mask=mask, other=0.0).to(dtype)
+
+
+@triton.jit
 def _kv_offsets(table_ptr, kv_pos, kv_valid, block_size, stride_block, stride_slot):
     """Cache offsets of the KV rows at `kv_pos`, each looked up in the block table on its own, so a tile
     may span several blocks or part of one."""
@@ -93,7 +101,7 @@ def _prefill_inner(
         kv_valid = kv_pos < seq_len
         rows = _kv_offsets(table_ptr, kv_pos, kv_valid, block_size, stride_block, stride_slot)
         tile_mask = kv_valid[:, None] & dim_valid[None, :]
-        k = tl.load(k_ptr + rows[:, None] + dim_offs[None, :], mask=tile_mask, other=0.0).to(q.dtype)
+        k = load_kv(k_ptr + rows[:, None] + dim_offs[None, :], tile_mask, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
@@ -104,7 +112,7 @@ def _prefill_inner(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + rows[:, None] + dim_offs[None, :], mask=tile_mask, other=0.0).to(q.dtype)
+        v = load_kv(v_ptr + rows[:, None] + dim_offs[None, :], tile_mask, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -242,14 +250,14 @@ def _decode_kernel(
         kv_valid = kv_pos < hi
         rows = _kv_offsets(table_ptr, kv_pos, kv_valid, block_size, stride_kb, stride_ks) + kv_head_offset
         tile_mask = kv_valid[:, None] & dim_valid[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + dim_offs[None, :], mask=tile_mask, other=0.0).to(q.dtype)
+        k = load_kv(k_cache_ptr + rows[:, None] + dim_offs[None, :], tile_mask, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(kv_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + rows[:, None] + dim_offs[None, :], mask=tile_mask, other=0.0).to(q.dtype)
+        v = load_kv(v_cache_ptr + rows[:, None] + dim_offs[None, :], tile_mask, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

@@ -9,14 +9,40 @@ import torch
 import triton
 import triton.language as tl
 
+from batchprefill.kernels.fp8_kv import is_fp8
+
+
+@triton.jit
+def _fp8_codes(x, MANTISSA: tl.constexpr):
+    """float32 `x` as FP8 bytes (kernels/fp8.py; MANTISSA 3: e4m3fn, 2: e5m2), rounded to nearest even and saturated
+    as the torch and C++ stores round, in integer steps: Triton's own float-to-FP8 cast is the GPU's on a GPU but
+    its interpreter's elsewhere, which loses the exponent's carry (1.9375 became 1.0 in e4m3). Normal results round
+    the float's bits; below the smallest normal the step is fixed, so the value over it is rounded (adding and
+    subtracting 2^23 rounds a float32 below 2^22 to an integer, to even)."""
+    BIAS: tl.constexpr = 7 if MANTISSA == 3 else 15
+    DROPPED: tl.constexpr = 23 - MANTISSA
+    LARGEST_BITS: tl.constexpr = 0x43E00000 if MANTISSA == 3 else 0x47600000  # 448.0, 57344.0
+    LARGEST_CODE: tl.constexpr = 0x7E if MANTISSA == 3 else 0x7B
+    SUBNORMAL_SCALE: tl.constexpr = 512.0 if MANTISSA == 3 else 65536.0  # 2^(bias - 1 + mantissa)
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    rounded = magnitude + ((1 << (DROPPED - 1)) - 1) + ((magnitude >> DROPPED) & 1)
+    normal = (rounded >> DROPPED) - ((127 - BIAS) << MANTISSA)
+    subnormal = ((tl.minimum(tl.abs(x), 1.0) * SUBNORMAL_SCALE + 8388608.0) - 8388608.0).to(tl.uint32)
+    code = tl.where(magnitude < (128 - BIAS) << 23, subnormal, normal)
+    code = tl.where(magnitude >= LARGEST_BITS, LARGEST_CODE, code)
+    return (sign | code).to(tl.uint8)
+
 
 @triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_heads, head_dim, block_size,
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_cb, stride_cs, stride_ch, stride_cd,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MANTISSA: tl.constexpr,
 ):
+    """FP8_MANTISSA 0: the pool holds the cache dtype; 3 or 2: an e4m3fn or e5m2 pool, passed as its bytes."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -27,8 +53,12 @@ def _store_kv_kernel(
     cache_offs += heads * stride_ch + dims * stride_cd
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
-    tl.store(k_cache_ptr + cache_offs, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_offs, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if FP8_MANTISSA > 0:
+        tl.store(k_cache_ptr + cache_offs, _fp8_codes(key.to(tl.float32), FP8_MANTISSA), mask=mask)
+        tl.store(v_cache_ptr + cache_offs, _fp8_codes(value.to(tl.float32), FP8_MANTISSA), mask=mask)
+    else:
+        tl.store(k_cache_ptr + cache_offs, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + cache_offs, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -93,10 +123,14 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         return
     if k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must share one layout")
+    mantissa = 0
+    if is_fp8(k_cache.dtype):
+        mantissa = 3 if k_cache.dtype == torch.float8_e4m3fn else 2
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, num_heads, head_dim, k_cache.shape[1],
         *key.stride(), *value.stride(), *k_cache.stride(),
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim), FP8_MANTISSA=mantissa,
     )
 
 

@@ -33,6 +33,7 @@ from batchprefill.kernels.triton.attention import (
     decode_attention,
     dot_settings,
     jit_unspecialized,
+    load_kv,
     shared_slots,
 )
 
@@ -101,14 +102,14 @@ def _shared_prefix_kernel(
         kv_valid = kv_pos < hi
         offsets = _kv_offsets(table_ptr, kv_pos, kv_valid, block_size, stride_kb, stride_ks) + kv_head_offset
         tile_mask = kv_valid[:, None] & dim_valid[None, :]
-        k = tl.load(k_cache_ptr + offsets[:, None] + dim_offs[None, :], mask=tile_mask, other=0.0).to(q.dtype)
+        k = load_kv(k_cache_ptr + offsets[:, None] + dim_offs[None, :], tile_mask, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(kv_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + offsets[:, None] + dim_offs[None, :], mask=tile_mask, other=0.0).to(q.dtype)
+        v = load_kv(v_cache_ptr + offsets[:, None] + dim_offs[None, :], tile_mask, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

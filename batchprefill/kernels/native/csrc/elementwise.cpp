@@ -1,5 +1,6 @@
 // The CPU path's per-token ops, each one pass over its rows: RMSNorm with the residual add folded in,
-// rotate-half RoPE, and the new keys and values written into the paged pool; for float32 and bfloat16 tensors.
+// rotate-half RoPE, and the new keys and values written into the paged pool; for float32 and bfloat16 tensors,
+// into a pool of their own dtype or of FP8 (kernels/fp8_kv.py).
 //
 // Why: in a decode step these run between matmuls that stream the weights through the caches, so their
 // tensors are cold, and torch runs RMSNorm as seven ops and RoPE as about ten, each writing a fresh output to
@@ -30,6 +31,31 @@ inline float widen(uint16_t x) {
   float value;
   std::memcpy(&value, &bits, 4);
   return value;
+}
+
+// float32 to FP8 as kernels/fp8_kv.py's to_cache rounds (torch's cast after a clamp): to nearest, ties to even,
+// saturated at the format's largest; `Mantissa` 3 is e4m3fn (bias 7, largest 448), 2 is e5m2 (bias 15, largest
+// 57344). Normal results round the float's bits (the carry steps the exponent); below the smallest normal the
+// step is fixed, 2^(1 - bias - mantissa), so the rounding is rint of the value over it (the default mode, to
+// even), whose top count is the smallest normal's encoding.
+template <int Mantissa>
+inline uint8_t to_fp8(float x) {
+  constexpr int kBias = Mantissa == 3 ? 7 : 15;
+  constexpr uint32_t kLargest = Mantissa == 3 ? 0x43E00000u : 0x47600000u;  // 448.0f, 57344.0f
+  constexpr uint8_t kLargestCode = Mantissa == 3 ? 0x7E : 0x7B;
+  constexpr int kDropped = 23 - Mantissa;
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  bits &= 0x7FFFFFFFu;
+  if (bits >= kLargest) return sign | kLargestCode;  // NaN too: a pool never holds one
+  if (bits < static_cast<uint32_t>(128 - kBias) << 23) {  // below the smallest normal, 2^(1 - bias)
+    float magnitude;
+    std::memcpy(&magnitude, &bits, 4);
+    return sign | static_cast<uint8_t>(std::nearbyint(std::ldexp(magnitude, kBias - 1 + Mantissa)));
+  }
+  const uint32_t rounded = bits + ((1u << (kDropped - 1)) - 1) + ((bits >> kDropped) & 1u);
+  return sign | static_cast<uint8_t>((rounded >> kDropped) - (static_cast<uint32_t>(127 - kBias) << Mantissa));
 }
 
 // float32 to bfloat16 as torch rounds: to nearest, ties to even, a NaN stays a NaN.
@@ -159,6 +185,21 @@ void add_rms_norm<uint16_t>(const uint16_t* x, int64_t x_stride, const uint16_t*
 }
 
 #endif
+
+// store_kv into an FP8 pool: each token's `width` elements of key and value (float32 or bfloat16 rows, `stride`
+// elements apart) rounded to FP8 (`e5m2` 0: e4m3fn) at their slots; a negative slot is skipped.
+template <typename Source, int Mantissa>
+void store_fp8_rows(const Source* key, int64_t key_stride, const Source* value, int64_t value_stride,
+                    const int64_t* slots, int64_t tokens, int64_t width, uint8_t* k_cache, uint8_t* v_cache) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] < 0) continue;
+    for (int64_t i = 0; i < width; ++i) {
+      k_cache[slots[t] * width + i] = to_fp8<Mantissa>(widen(key[t * key_stride + i]));
+      v_cache[slots[t] * width + i] = to_fp8<Mantissa>(widen(value[t * value_stride + i]));
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -194,5 +235,20 @@ void store_kv(const char* key, int64_t key_stride, const char* value, int64_t va
     std::memcpy(k_cache + slots[t] * row_bytes, key + t * key_stride, row_bytes);
     std::memcpy(v_cache + slots[t] * row_bytes, value + t * value_stride, row_bytes);
   }
+}
+
+// The KV store into an FP8 pool, from float32 or bfloat16 keys and values (`e5m2` 0: e4m3fn).
+void store_kv_fp8_f32(const float* key, int64_t key_stride, const float* value, int64_t value_stride,
+                      const int64_t* slots, int64_t tokens, int64_t width, uint8_t* k_cache, uint8_t* v_cache,
+                      int e5m2) {
+  (e5m2 ? store_fp8_rows<float, 2> : store_fp8_rows<float, 3>)(key, key_stride, value, value_stride, slots, tokens,
+                                                               width, k_cache, v_cache);
+}
+
+void store_kv_fp8_bf16(const uint16_t* key, int64_t key_stride, const uint16_t* value, int64_t value_stride,
+                       const int64_t* slots, int64_t tokens, int64_t width, uint8_t* k_cache, uint8_t* v_cache,
+                       int e5m2) {
+  (e5m2 ? store_fp8_rows<uint16_t, 2> : store_fp8_rows<uint16_t, 3>)(key, key_stride, value, value_stride, slots,
+                                                                     tokens, width, k_cache, v_cache);
 }
 }

@@ -14,7 +14,7 @@
 // Layouts (all contiguous):
 //   query, out     [tokens, kv_heads * per_kv, dim] float32: the step's flat batch (query heads of one KV
 //                  head adjacent); only decode rows are read and written
-//   k, v           [num_blocks, block, kv_heads, dim] float32 or bfloat16 (raw uint16 bits)
+//   k, v           [num_blocks, block, kv_heads, dim] float32, bfloat16 (raw uint16 bits) or FP8 (bytes)
 //   sets           [num_sets, 3] int64: first member (index into rows), member count, shared tokens
 //   shared_blocks  [num_sets, shared_width] int64 block ids of each set's shared prefix
 //   rows           [decodes] int64 flat-batch row of each member, sets' members adjacent
@@ -53,6 +53,90 @@ inline void widen(const uint16_t* source, float* target, int64_t count) {
   for (int64_t i = 0; i < count; ++i) {
     uint32_t bits = static_cast<uint32_t>(source[i]) << 16;
     std::memcpy(&target[i], &bits, 4);
+  }
+}
+
+// FP8 pools (kernels/fp8_kv.py), one byte an element, widened a block at a time as bfloat16 pools are. e5m2 is a
+// float16's upper byte; e4m3fn's seven low bits shifted into a float16's exponent and mantissa give its value / 256
+// exactly, subnormals too (the exponent biases differ by 8), so either widens as float16 bits by F16C's conversion,
+// e4m3 then times 256. Per block of SmolLM2 (16 tokens x 3 heads x 64) that is 3,072 bytes of K and of V to read
+// where bfloat16 reads 6,144.
+struct E4M3 {
+  uint8_t bits;
+};
+struct E5M2 {
+  uint8_t bits;
+};
+
+inline uint16_t half_bits(E5M2 x) { return static_cast<uint16_t>(x.bits << 8); }
+inline uint16_t half_bits(E4M3 x) { return static_cast<uint16_t>(((x.bits & 0x80) << 8) | ((x.bits & 0x7F) << 7)); }
+
+inline float half_to_float(uint16_t half) {
+  const uint32_t sign = static_cast<uint32_t>(half & 0x8000u) << 16, exponent = (half >> 10) & 0x1Fu,
+                 mantissa = half & 0x3FFu;
+  uint32_t bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  if (exponent == 0) {  // zero or subnormal: mantissa x 2^-24
+    float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+    std::memcpy(&bits, &magnitude, 4);
+    bits |= sign;
+  } else if (exponent == 31) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  }
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+template <typename Fp8>
+inline void widen_fp8(const Fp8* source, float* target, int64_t count) {
+  constexpr bool kE4M3 = std::is_same_v<Fp8, E4M3>;
+  constexpr float kFactor = kE4M3 ? 256.0f : 1.0f;
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(source);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 factor = _mm512_set1_ps(kFactor);
+  for (; i + 16 <= count; i += 16) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i));
+    __m256i half;
+    if constexpr (kE4M3) {  // sign-extended, shifted by 7: the sign lands in bit 15; its copy in bit 14 is cleared
+      half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7),
+                              _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+    } else {
+      half = _mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8);
+    }
+    _mm512_storeu_ps(target + i, _mm512_mul_ps(_mm512_cvtph_ps(half), factor));
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m256 factor = _mm256_set1_ps(kFactor);
+  for (; i + 8 <= count; i += 8) {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + i));
+    __m128i half;
+    if constexpr (kE4M3) {  // as above
+      half = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(raw), 7), _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
+    } else {
+      half = _mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8);
+    }
+    _mm256_storeu_ps(target + i, _mm256_mul_ps(_mm256_cvtph_ps(half), factor));
+  }
+#endif
+  for (; i < count; ++i) target[i] = half_to_float(half_bits(source[i])) * kFactor;
+}
+
+inline void widen(const E4M3* source, float* target, int64_t count) { widen_fp8(source, target, count); }
+inline void widen(const E5M2* source, float* target, int64_t count) { widen_fp8(source, target, count); }
+
+template <typename Cache>
+constexpr bool kFp8 = std::is_same_v<Cache, E4M3> || std::is_same_v<Cache, E5M2>;
+
+// An FP8 block as bfloat16 bits, for the pair products (score_tiles_paired): every e4m3 and e5m2 value is a bfloat16
+// exactly (3 and 2 mantissa bits, exponents within bfloat16's), so the upper half of its float32 is the value.
+template <typename Fp8>
+inline void narrow_to_bfloat16(const Fp8* source, uint16_t* target, float* widened, int64_t count) {
+  widen_fp8(source, widened, count);
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, widened + i, 4);
+    target[i] = static_cast<uint16_t>(bits >> 16);
   }
 }
 
@@ -101,6 +185,7 @@ struct Pool {
 struct Scratch {
   std::vector<float> keys, values, scores, rescales, rows, transposed;
   std::vector<uint32_t> pairs;  // a set's queries as bfloat16 pairs, [heads][dim / 2][padded rows] (walk_many)
+  std::vector<uint16_t> narrow_keys;  // an FP8 block's keys as bfloat16, for the pair products
 };
 
 inline float dot_plain(const float* a, const float* b, int64_t dim) {
@@ -333,14 +418,14 @@ inline void score_tiles_paired(const uint32_t* query, int64_t padded, int64_t ti
 #endif
 
 // A set's scores against a block's keys, 48, 32 or 16 rows at a time: from float32 queries (`transposed`, scaled)
-// or, where `paired` is given, from bfloat16 query pairs over a bfloat16 pool (unscaled; see score_tiles_paired).
-template <int Tiles, typename Cache>
+// or, where `paired` is given, from bfloat16 query pairs over the block's keys as bfloat16 (`pair_keys`: a bfloat16
+// pool itself, or an FP8 block narrowed; unscaled, see score_tiles_paired).
+template <int Tiles>
 inline void score_head(const float* transposed, const uint32_t* paired, int64_t padded, int64_t tile, const float* k,
-                       const Cache* raw, int64_t stride, int64_t count, int64_t dim, float scale, float* scores) {
+                       const uint16_t* pair_keys, int64_t stride, int64_t count, int64_t dim, float scale,
+                       float* scores) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<Cache, uint16_t>) {
-    if (paired) return score_tiles_paired<Tiles>(paired, padded, tile, raw, stride, count, dim, scale, scores);
-  }
+  if (paired) return score_tiles_paired<Tiles>(paired, padded, tile, pair_keys, stride, count, dim, scale, scores);
 #endif
   score_tiles<Tiles>(transposed, padded, tile, k, stride, count, dim, scores);
 }
@@ -360,7 +445,14 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
     const Cache* raw_keys = pool.k_cache + blocks[b] * pool.block_stride;
     const float* k = nullptr;
     const float* v = nullptr;
-    if (paired) {  // the keys stay bfloat16; only the values are widened
+    const uint16_t* pair_keys = nullptr;
+    if (paired) {  // the keys stay bfloat16 (an FP8 pool's are narrowed to it); only the values are widened
+      if constexpr (kFp8<Cache>) {
+        narrow_to_bfloat16(raw_keys, s.narrow_keys.data(), s.keys.data(), count * stride);
+        pair_keys = s.narrow_keys.data();
+      } else if constexpr (std::is_same_v<Cache, uint16_t>) {
+        pair_keys = raw_keys;
+      }
       widen(pool.v_cache + blocks[b] * pool.block_stride, s.values.data(), count * stride);
       v = s.values.data();
     } else {
@@ -376,13 +468,16 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
       for (int64_t tile = 0; tile < padded;) {
         const int64_t left = (padded - tile) / 16;
         if (left >= 3) {
-          score_head<3>(query, pairs, padded, tile, key, raw_keys + h * dim, stride, count, dim, scale, scores);
+          score_head<3>(query, pairs, padded, tile, key, pair_keys ? pair_keys + h * dim : nullptr, stride, count,
+                        dim, scale, scores);
           tile += 48;
         } else if (left == 2) {
-          score_head<2>(query, pairs, padded, tile, key, raw_keys + h * dim, stride, count, dim, scale, scores);
+          score_head<2>(query, pairs, padded, tile, key, pair_keys ? pair_keys + h * dim : nullptr, stride, count,
+                        dim, scale, scores);
           tile += 32;
         } else {
-          score_head<1>(query, pairs, padded, tile, key, raw_keys + h * dim, stride, count, dim, scale, scores);
+          score_head<1>(query, pairs, padded, tile, key, pair_keys ? pair_keys + h * dim : nullptr, stride, count,
+                        dim, scale, scores);
           tile += 16;
         }
       }
@@ -745,7 +840,8 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
     s.rescales.resize(padded);
     s.rows.resize(kv_heads * padded * dim);
     s.transposed.resize(kv_heads * dim * padded);
-    if (kPairs && std::is_same_v<Cache, uint16_t>) s.pairs.resize(kv_heads * (dim / 2) * padded);
+    if (kPairs && (std::is_same_v<Cache, uint16_t> || kFp8<Cache>)) s.pairs.resize(kv_heads * (dim / 2) * padded);
+    if (kPairs && kFp8<Cache>) s.narrow_keys.resize(block * pool.token_stride);
     std::vector<float> state(kv_heads * padded * (2 + dim));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t set = 0; set < num_sets; ++set) {
@@ -762,7 +858,7 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
       std::fill(sums, sums + kv_heads * width, 0.0f);
       std::fill(acc, acc + kv_heads * n * dim, 0.0f);
       const uint32_t* paired = nullptr;  // the rows as bfloat16 pairs, read from `query` itself
-      if constexpr (kPairs && std::is_same_v<Cache, uint16_t>) {
+      if constexpr (kPairs && (std::is_same_v<Cache, uint16_t> || kFp8<Cache>)) {
         if (many &&
             pair_queries(query, rows + first, members, row_stride, kv_heads, per_kv, dim, width, s.pairs.data()))
           paired = s.pairs.data();
@@ -1308,6 +1404,29 @@ void paged_decode_bf16(const float* query, const uint16_t* k_cache, const uint16
   const Plan plan{sets,         shared_blocks, rows,   own_blocks,       own_lens, num_sets,
                   shared_width, own_width,     per_kv, fixed_order != 0, nullptr,  own_skips};
   run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads);
+}
+
+// FP8 pools (kernels/fp8_kv.py): the vector walks, over each block widened to float32; never the tile walks.
+void paged_decode_e4m3(const float* query, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* sets,
+                       const int64_t* shared_blocks, const int64_t* rows, const int64_t* own_blocks,
+                       const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width,
+                       int64_t block, int64_t kv_heads, int64_t per_kv, int64_t dim, float scale, float* out,
+                       int threads, int fixed_order, const int64_t* own_skips) {
+  const Plan plan{sets,         shared_blocks, rows,   own_blocks,       own_lens, num_sets,
+                  shared_width, own_width,     per_kv, fixed_order != 0, nullptr,  own_skips};
+  run(query, reinterpret_cast<const E4M3*>(k_cache), reinterpret_cast<const E4M3*>(v_cache), plan, block, kv_heads,
+      dim, scale, out, threads);
+}
+
+void paged_decode_e5m2(const float* query, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* sets,
+                       const int64_t* shared_blocks, const int64_t* rows, const int64_t* own_blocks,
+                       const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width,
+                       int64_t block, int64_t kv_heads, int64_t per_kv, int64_t dim, float scale, float* out,
+                       int threads, int fixed_order, const int64_t* own_skips) {
+  const Plan plan{sets,         shared_blocks, rows,   own_blocks,       own_lens, num_sets,
+                  shared_width, own_width,     per_kv, fixed_order != 0, nullptr,  own_skips};
+  run(query, reinterpret_cast<const E5M2*>(k_cache), reinterpret_cast<const E5M2*>(v_cache), plan, block, kv_heads,
+      dim, scale, out, threads);
 }
 
 // A bfloat16 model over a bfloat16 pool where takes_tiles holds: queries and outputs in bfloat16 (the flat batch's
