@@ -11,7 +11,7 @@
 set -euo pipefail
 
 repo_at() {  # prints the absolute repo path when $1 is the repo
-  [[ -n "$1" && -f "$1/benchmarks/gpu.py" ]] && (cd "$1" && pwd)
+  [[ -n "$1" && -f "$1/benchmarks/gpu/gpu.py" ]] && (cd "$1" && pwd)
 }
 
 candidates=("${BATCHPREFILL_REPO:-}" "$(dirname "${BASH_SOURCE[0]}")/..")
@@ -25,9 +25,9 @@ for candidate in "${candidates[@]}"; do
   if repo=$(repo_at "$candidate"); then
     cd "$repo"
     export PYTHONUNBUFFERED=1
-    exec python benchmarks/gpu.py "$@"
+    exec python benchmarks/gpu/gpu.py "$@"
   fi
 done
-echo "gpu_benchmark.sh: no batchprefill repo (benchmarks/gpu.py) beside this script or in the submit folder;" \
+echo "gpu_benchmark.sh: no batchprefill repo (benchmarks/gpu/gpu.py) beside this script or in the submit folder;" \
      "set BATCHPREFILL_REPO=/path/to/batchprefill" >&2
 exit 2

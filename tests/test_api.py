@@ -186,7 +186,7 @@ def test_plan_on_an_arrow_table_gives_the_row_batchprefill_plan_wrote(cli_out):
 def test_batchprefill_run_stays_the_function_and_the_shims_still_run_as_modules():
     assert batchprefill.run is api.run and batchprefill.plan is api.plan  # after importing cli.run, pipeline.run...
     shims = {"batchprefill.run", "batchprefill.plan"}
-    for file in [*REPO.glob("batchprefill/**/*.py"), *REPO.glob("tests/*.py"), *REPO.glob("benchmarks/*.py")]:
+    for file in [*REPO.glob("batchprefill/**/*.py"), *REPO.glob("tests/*.py"), *REPO.glob("benchmarks/**/*.py")]:
         for node in ast.walk(ast.parse(file.read_text())):
             names = (
                 [alias.name for alias in node.names]

@@ -12,7 +12,7 @@ NO_SLURM = {"BATCHPREFILL_REPO": "", "SLURM_JOB_ID": "", "SLURM_SUBMIT_DIR": ""}
 
 def test_gpu_benchmark_smoke_mode_runs_every_section(tmp_path):
     out = tmp_path / "gpu.json"
-    done = run_cli(["python", str(REPO / "benchmarks" / "gpu.py"), "--smoke", "--out", str(out)])
+    done = run_cli(["python", str(REPO / "benchmarks" / "gpu" / "gpu.py"), "--smoke", "--out", str(out)])
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
     assert {"prefill", "decode", "shared_decode", "goals", "end_to_end", "ceilings", "checks", "moe"} <= set(results)
@@ -32,7 +32,7 @@ def test_gpu_benchmark_smoke_mode_runs_every_section(tmp_path):
 
 def test_the_prefill_tiles_benchmark_smoke_mode_prints_a_table_row_per_kind(tmp_path):
     out = tmp_path / "tiles.json"
-    done = run_cli(["python", str(REPO / "benchmarks" / "gpu_prefill_tiles.py"), "--smoke", "--out", str(out)])
+    done = run_cli(["python", str(REPO / "benchmarks" / "gpu" / "gpu_prefill_tiles.py"), "--smoke", "--out", str(out)])
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
     assert results["errors"] == {} and set(results["best"]) == {"32 from scratch", "32 after cached"}

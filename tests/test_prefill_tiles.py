@@ -1,5 +1,5 @@
 """The prefill kernel's launch on Hopper: long chunks take the measured tile table (kernels/triton/ops.py
-`HOPPER_PREFILL_TILES`, from benchmarks/gpu_prefill_tiles.py on the H200), by head size and by whether a cached
+`HOPPER_PREFILL_TILES`, from benchmarks/gpu/gpu_prefill_tiles.py on the H200), by head size and by whether a cached
 context comes before them."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The preparation stage: streaming into partitions, error rows, manifest reuse, prefix order, groups, shards.
 
 A word-level tokenizer built here (one token per word) keeps lengths exact and needs no model files.
-Timing and peak memory belong to benchmarks/planning_scale.py, not here.
+Timing and peak memory belong to benchmarks/cpu/planning_scale.py, not here.
 """
 
 from __future__ import annotations

@@ -300,7 +300,7 @@ class Engine:
         """A step's tokens when no row is constrained or records logprobs (the usual decode step): one
         tight loop appends them, and only a request that may end now (an EOS token, stop strings to look for,
         its length limit reached) goes through `_ends`, which decides as `_append` always did. On
-        benchmarks/host_overhead.py (255 rows, one thread, a loaded machine) bookkeeping went from 0.63-0.68 to
+        benchmarks/cpu/host_overhead.py (255 rows, one thread, a loaded machine) bookkeeping went from 0.63-0.68 to
         0.53-0.59 ms."""
         eos, max_positions = self.eos, self.max_positions
         for request, token in zip(requests, tokens):

@@ -129,7 +129,7 @@ class GrammarBatch:
 
     def advance_rows(self, rows: Sequence[int], tokens: Sequence[int]) -> list[bool]:
         """Move every slot of `rows` past its token in one batched call (xgrammar's batch accept: one trip into
-        its C++ for the step, 1.8 to 4.4x cheaper than a call per row, benchmarks/grammar.py); False where the
+        its C++ for the step, 1.8 to 4.4x cheaper than a call per row, benchmarks/cpu/grammar.py); False where the
         grammar rejects the token. Unconstrained slots accept anything."""
         positions = [i for i, row in enumerate(rows) if self.matchers[row] is not None]
         accepted = [True] * len(rows)

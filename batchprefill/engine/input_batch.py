@@ -4,7 +4,7 @@ A step changes only a few rows: a newly admitted request gets a row and its samp
 appends a block every `block_size` tokens, a finished or preempted request gives its row back. So a step's
 metadata (positions, cache slots, block tables, sampling vectors) is gathered from these arrays with a
 handful of vectorized numpy operations instead of being rebuilt from Python lists, one request at a time.
-Measured on benchmarks/host_overhead.py (256 decodes per step): see BENCHMARKS.md.
+Measured on benchmarks/cpu/host_overhead.py (256 decodes per step): see BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class InputBatch:
     def prepare(self, step: SchedulerOutput) -> ForwardInputs:
         """The step's flat batch: one pass over its chunks in Python, the rest vectorized. The pass reads each
         request's lists once (no property calls) and notes its token count for the sampled-row test; on
-        benchmarks/host_overhead.py (255 sequences per step, one thread, a loaded machine) prepare went from
+        benchmarks/cpu/host_overhead.py (255 sequences per step, one thread, a loaded machine) prepare went from
         0.64 to 0.46-0.51 ms."""
         rows, starts, counts, totals, ids, gathers = [], [], [], [], [], []
         num_blocks = self.num_blocks

@@ -47,7 +47,7 @@ class Request:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # The request before it in run order when the order stage found their first `donor_blocks` full blocks
     # equal (same tokens, same namespace): the scheduler then copies those block keys instead of hashing them.
-    # On benchmarks/host_overhead.py (1,500 shared tokens per prompt) hashing was most of the scheduler's time.
+    # On benchmarks/cpu/host_overhead.py (1,500 shared tokens per prompt) hashing was most of the scheduler's time.
     prefix_donor: Request | None = None
     donor_blocks: int = 0
     # False for a request that reads every prompt position's hidden state (mean pooling): cached blocks hold KV,

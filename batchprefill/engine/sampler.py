@@ -64,7 +64,7 @@ Argmax = Callable[[torch.Tensor], torch.Tensor]
 def numpy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row argmax of CPU logits by numpy, whose SIMD loop is about 4x faster than torch's argmax over a 49k
     vocabulary (255 x 49,152 float32: 15 against 65 ms on a loaded 2-core machine, the same first-maximum
-    indices); on benchmarks/host_overhead.py it was most of the sampler's time."""
+    indices); on benchmarks/cpu/host_overhead.py it was most of the sampler's time."""
     return torch.from_numpy(logits.numpy().argmax(-1))
 
 

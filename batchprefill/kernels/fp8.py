@@ -6,7 +6,7 @@ Hopper GPU such a layer multiplies in FP8: each call quantizes its activation ro
 (dynamic per-token scaling, one Triton launch: `kernels/triton/fp8.py`) and hands both to `torch._scaled_mm`'s
 row-wise path, which applies the row and channel scales to the float32 accumulator and writes bfloat16. The
 weights' bytes, which a decode step reads in full, are half bfloat16's; the benchmark that measures what that buys
-is benchmarks/gpu_fp8.py (nothing has measured it yet). Per-channel scales keep one row of a fused QKV or
+is benchmarks/gpu/gpu_fp8.py (nothing has measured it yet). Per-channel scales keep one row of a fused QKV or
 gate/up matrix with the scale it was quantized with: fusing concatenates data and scales along the same axis.
 
 `_scaled_mm`'s row-wise path (torch 2.11, Hopper): `mat1` `[M, K]` row-major FP8, `mat2` `[K, N]` column-major

@@ -22,7 +22,7 @@ e5m2 because a float16 is one shift away), and e4m3 widens on the CPU nearly as 
 into a float16's exponent and mantissa give the value / 256 exactly (subnormals too), so one mask, one shift, F16C
 and a multiply. A model whose K or V exceed 448 (none measured here) saturates there; fp8_e5m2 reaches 57344.
 
-Whole jobs on the shipped model (benchmarks/fp8_kv.py, BENCHMARKS.md): task=score picked the same best choice as the
+Whole jobs on the shipped model (benchmarks/cpu/fp8_kv.py, BENCHMARKS.md): task=score picked the same best choice as the
 model dtype's KV on 96 of 96 rows in bfloat16 and 95 of 96 in float32 (e5m2: 96 of 96, log-probabilities moving 3.6x
 as far); greedy answers stayed the same for 24-29 of 64 tokens on average (e5m2: 10). The CPU's decode walks took
 0.75-0.95x bfloat16's time on one core (instruction-bound there, not memory-bound), and attention about 0.85x a

@@ -2,7 +2,7 @@
 
 A decode step of 256 sequences over SmolLM2's 49,152-token vocabulary makes 256 x 49,152 float32 logits,
 50 MB: more than the cache holds, so the projection writes them out to memory (in fresh pages: above glibc's
-largest mmap threshold) and the greedy argmax reads them back. On benchmarks/host_overhead.py that read was
+largest mmap threshold) and the greedy argmax reads them back. On benchmarks/cpu/host_overhead.py that read was
 3.5 ms of the 3.9 ms sample phase, and the write most of the LM head's time inside the forward.
 
 On the CPU the head is therefore held as vocabulary chunks of `VOCAB_CHUNK` rows of the weight, each prepacked.

@@ -83,9 +83,9 @@ def multiplies_bfloat16(device: torch.device) -> bool:
     drives.
 
     There bfloat16 is the faster precision. With AMX, a decode step of SmolLM2-135M at 80 sequences took 55 ms in
-    bfloat16 against 148 ms in float32 (benchmarks/step_ops.py, Intel Xeon). With dot products but no tiles (AMD
+    bfloat16 against 148 ms in float32 (benchmarks/cpu/step_ops.py, Intel Xeon). With dot products but no tiles (AMD
     EPYC Zen 4, `avx512_bf16`), 0.69-0.72x float32's time, and the engine loops of whole jobs ran 1.52x (shared
-    prefixes), 1.41x (128-token answers) and 1.59x (a corpus) faster (benchmarks/compare.py; BENCHMARKS.md). A CPU
+    prefixes), 1.41x (128-token answers) and 1.59x (a corpus) faster (benchmarks/peers/compare.py; BENCHMARKS.md). A CPU
     with AVX-512 but no bfloat16 instructions (Intel Skylake-SP) would emulate them, and one without AVX-512 has
     neither.
     """

@@ -51,7 +51,7 @@ from batchprefill.units import readable_bytes
 
 # Peak memory while one partition is read back and ordered, per byte of its Arrow table: Parquet decoding,
 # the table, the sort key (a copy of the token ids), the table taken in run order, the comparison scratch
-# (measured 4.0 to 4.7 on benchmarks/planning_scale.py's partitions).
+# (measured 4.0 to 4.7 on benchmarks/cpu/planning_scale.py's partitions).
 RUN_EXPANSION = 5
 # Partitions are aimed at this size even when the buffer allows more: smaller ones lose no cache hits
 # (a prefix group never spans two) and let shards balance; hash skew can make one several times larger.

@@ -10,7 +10,7 @@ value once where it lies.
 Why one call: decodes that share a prefix form a set; the set's rows walk the shared blocks together, then each
 member goes on over its own, in the same online softmax. The shared and own halves used to be two calls joined
 by a log-sum-exp merge in torch, some 25 small ops per layer: 12.4 ms of a 183 ms decode step at 80 decodes in 9
-groups (benchmarks/step_ops.py); one call is 2.3-3.3x the gathered path at 40-450 own tokens (BENCHMARKS.md,
+groups (benchmarks/cpu/step_ops.py); one call is 2.3-3.3x the gathered path at 40-450 own tokens (BENCHMARKS.md,
 session 5).
 
 Why tiles: in bfloat16 both walks are matrix-matrix work (a set's rows, or a decode's query heads, against a run of
@@ -112,7 +112,7 @@ class PagedDecode:
         query of a group against every member's keys and then mask most of them off. In a best-of-8 reward job (768
         rows, 53,588 computed tokens after cached prompts, SmolLM2-135M, one thread) the kernel's walks took
         attention from 19.95 to 9.31 s of the model's 35.30 s in bfloat16 (22.81 s after), and from 46.90 to 20.79 s
-        of 130.93 s in float32 (`benchmarks/step_ops.py --job reward`)."""
+        of 130.93 s in float32 (`benchmarks/cpu/step_ops.py --job reward`)."""
         sets = _decode_sets(meta, decodes, tables, block, per_kv) + _chunk_sets(meta, chunks, tables, block, per_kv,
                                                                                  tiles)
         if not sets:

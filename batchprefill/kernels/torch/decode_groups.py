@@ -12,7 +12,7 @@ Attention then runs as two batched fused calls and a log-sum-exp merge:
 So each query scores its real context plus padding. Group attention under one dense mask (prefix_groups.py)
 scored every partner's own blocks too and built a mask of members x heads x keys per group, which with long
 outputs grows every step: 3x the scores and a 15 MB mask per step at 80 decodes in 9 groups of 128-token
-answers (benchmarks/cpu_ops.py has the side-by-side figure).
+answers (benchmarks/cpu/cpu_ops.py has the side-by-side figure).
 """
 
 from __future__ import annotations

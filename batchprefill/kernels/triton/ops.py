@@ -33,8 +33,8 @@ ALIGN = 4  # int32 entries: the decode rows start 16 bytes aligned inside the st
 INVARIANT_BLOCK_M = 64
 # The prefill launch of long chunks on Hopper (sm90), by (head_dim padded to a power of 2, the chunks come after a
 # cached context): (block_m, block_n, num_warps, num_stages), the best of 36 candidates each as
-# benchmarks/gpu_prefill_tiles.py timed them on the H200 (torch 2.11, Triton 3.6).
-HOPPER_PREFILL_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {  # H200, benchmarks/gpu_prefill_tiles.py:
+# benchmarks/gpu/gpu_prefill_tiles.py timed them on the H200 (torch 2.11, Triton 3.6).
+HOPPER_PREFILL_TILES: dict[tuple[int, bool], tuple[int, int, int, int]] = {
     (64, False): (128, 64, 8, 2),  # 0.71x flash SDPA (geometric mean, 1k-8k tokens); before (128, 64, 4, 3): 0.63x
     (64, True): (128, 128, 4, 4),  # 0.99x (512-2048 after 4k-32k cached); before: 0.87x
     (128, False): (128, 128, 8, 2),  # 0.56x; before (128, 64, 8, 3): 0.51x
@@ -68,7 +68,7 @@ class TritonOps:
     (in a 64-row prefill tile a decode would use 1/64 of the tile and read each KV head once per query head).
     Chunks with nothing cached before them stay on the prefill kernel too: torch's flash attention on the step's
     own keys (no gather) ran at 0.42-0.61x of flash SDPA on the H200 where the kernel's measured tiles reach
-    0.56-0.76x (benchmarks/gpu_prefill_tiles.py, its `routed` rows).
+    0.56-0.76x (benchmarks/gpu/gpu_prefill_tiles.py, its `routed` rows).
 
     With `batch_invariant`, a row's bits must not depend on what shares its step, so nothing is chosen from the
     step: prefill tiles are always `INVARIANT_BLOCK_M` rows, every KV tile is masked (`MASK_ALL`), and decodes go

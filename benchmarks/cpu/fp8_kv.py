@@ -1,0 +1,126 @@
+"""FP8 KV (engine.kv_cache_dtype) against the model dtype's own KV on the shipped model: how often task=score picks
+the same best choice, and how long greedy answers stay the same.
+
+    python benchmarks/cpu/fp8_kv.py                          # fp8 (e4m3) against auto, model.dtype=auto
+    python benchmarks/cpu/fp8_kv.py --kv-cache-dtype fp8_e5m2 --prompts 16 --tokens 64
+    python benchmarks/cpu/fp8_kv.py --walks --threads 1      # the C++ decode walks' time over each pool dtype
+
+Score rows: the shipped sample's 48 prompts (data_samples/prompts.parquet), each scored twice, against the four
+documents' subjects (" Paris", " honey bees", " Mount Etna", " the James Webb Space Telescope") and against four
+one-sentence answers, 96 rows of 4 choices. Greedy rows: the first `--prompts` sample prompts in the chat template,
+`--tokens` tokens each, EOS ignored, so every row has as many tokens to compare.
+
+`--walks`: a decode step's attention for 30 layers (30 distinct pools, read from memory as a real step reads them)
+in the C++ kernel, bfloat16 queries over bfloat16, e4m3 and e5m2 pools of the same values, the three timed in turn
+and the best of 7 rounds kept, so a busy machine slows them alike (benchmarks/cpu/cpu_ops.py's decode batches,
+SmolLM2's shapes). Milliseconds, and each FP8 pool's time over bfloat16's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+
+import batchprefill
+
+REPO = Path(__file__).resolve().parents[2]
+SUBJECTS = [" Paris", " honey bees", " Mount Etna", " the James Webb Space Telescope"]
+ANSWERS = [" It is about a city and its famous buildings.", " It is about insects that make honey.",
+           " It is about a volcano in Italy.", " It is about a telescope in space."]
+
+
+def score_rows() -> pl.DataFrame:
+    prompts = pl.read_parquet(REPO / "data_samples" / "prompts.parquet").filter(pl.col("topic") != "bad-input")
+    return pl.concat([prompts.select("id", "prompt").with_columns(pl.col("id") + suffix, choices=pl.lit(choices))
+                      for suffix, choices in (("-subject", SUBJECTS), ("-answer", ANSWERS))])
+
+
+WALK_CASES = [(9, 9, 448, 48, "9 groups of 9 decodes over 448 shared tokens, 48 own"),
+              (81, 1, 16, 112, "81 lone decodes of 128 tokens"), (80, 1, 496, 16, "80 lone decodes of 512 tokens")]
+
+
+def walks(threads: int) -> None:
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks" / "cpu"))
+    from cpu_ops import HEADS, decode_batch
+
+    from batchprefill.kernels.fp8_kv import to_cache
+    from batchprefill.kernels.torch.ops import TorchOps
+
+    torch.set_num_threads(threads)
+    ops = TorchOps()
+    dtypes = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+    print("| case | bfloat16 ms | e4m3 ms | e5m2 ms | e4m3 / bfloat16 | e5m2 / bfloat16 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for groups, members, prefix, own, name in WALK_CASES:
+        query, keys, values, meta = decode_batch(groups=groups, members=members, prefix=prefix, own=own)
+        query = query.bfloat16()
+        pools = {dtype: [(to_cache(keys + 0.01 * i, dtype), to_cache(values - 0.01 * i, dtype)) for i in range(30)]
+                 for dtype in dtypes}
+        plans = {dtype: ops.plan(meta, layers[0][0], HEADS, query.dtype) for dtype, layers in pools.items()}
+        best = dict.fromkeys(dtypes, float("inf"))
+        for _ in range(7):
+            for dtype, layers in pools.items():
+                start = time.perf_counter()
+                for k_cache, v_cache in layers:
+                    ops.attention(query, k_cache, v_cache, plans[dtype], 0.125)
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
+        ms = [1e3 * best[dtype] for dtype in dtypes]
+        print(f"| {name} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {ms[1] / ms[0]:.2f} | {ms[2] / ms[0]:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kv-cache-dtype", default="fp8")
+    parser.add_argument("--dtype", default="auto", help="model.dtype")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--walks", action="store_true", help="time the C++ decode walks instead")
+    parser.add_argument("--threads", type=int, default=1, help="with --walks")
+    args = parser.parse_args()
+    if args.walks:
+        walks(args.threads)
+        return
+    scored = score_rows()
+    greedy = pl.read_parquet(REPO / "data_samples" / "prompts.parquet").filter(
+        pl.col("topic") != "bad-input").head(args.prompts).select("id", "prompt")
+    results = {}
+    for kv in ("auto", args.kv_cache_dtype):
+        runner = batchprefill.Runner(progress=False, **{"model.dtype": args.dtype, "engine.kv_cache_dtype": kv,
+                                                        "output.plot": False})
+        results[kv] = (
+            runner.run(scored, task="score").table.sort("id"),
+            runner.run(greedy, **{"data.chat_template": True, "sampling.max_tokens": args.tokens,
+                                  "sampling.ignore_eos": True}).table.sort("id"))
+    (base_score, base_text), (fp8_score, fp8_text) = results["auto"], results[args.kv_cache_dtype]
+    same_best = int((base_score["best_choice"] == fp8_score["best_choice"]).sum())
+    logprob_gap = max(abs(a - b) for x, y in zip(base_score["choice_logprobs"], fp8_score["choice_logprobs"])
+                      for a, b in zip(x, y))
+    common = []
+    for a, b in zip(base_text["output_token_ids"], fp8_text["output_token_ids"]):
+        first_difference = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        common.append(first_difference)
+    report = {
+        "model_dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+        "score_rows": len(base_score), "score_same_best": same_best,
+        "score_agreement": round(same_best / len(base_score), 4),
+        "score_largest_logprob_difference": round(logprob_gap, 4),
+        "greedy_rows": len(common), "greedy_tokens": args.tokens,
+        "greedy_rows_identical": sum(n == args.tokens for n in common),
+        "greedy_mean_tokens_before_first_difference": round(sum(common) / len(common), 1),
+        "greedy_tokens_before_first_difference": common,
+    }
+    print(json.dumps(report, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
