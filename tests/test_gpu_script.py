@@ -2,6 +2,7 @@
 (correctness checks, kernel tables, end-to-end engine) at tiny sizes on the CPU under the interpreter, and
 its Slurm wrapper runs from any folder."""
 
+import ast
 import json
 import shutil
 
@@ -10,12 +11,22 @@ from tests.conftest import REPO, run_cli
 NO_SLURM = {"BATCHPREFILL_REPO": "", "SLURM_JOB_ID": "", "SLURM_SUBMIT_DIR": ""}
 
 
+def declared_sections() -> tuple[str, ...]:
+    """gpu.py's SECTIONS, read from its source (importing it would import triton before the interpreter is set)."""
+    tree = ast.parse((REPO / "benchmarks" / "gpu" / "gpu.py").read_text())
+    value = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                 and getattr(node.targets[0], "id", None) == "SECTIONS")
+    return ast.literal_eval(value)
+
+
 def test_gpu_benchmark_smoke_mode_runs_every_section(tmp_path):
     out = tmp_path / "gpu.json"
     done = run_cli(["python", str(REPO / "benchmarks" / "gpu" / "gpu.py"), "--smoke", "--out", str(out)])
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
-    assert {"prefill", "decode", "shared_decode", "goals", "end_to_end", "ceilings", "checks", "moe"} <= set(results)
+    assert {"prefill", "decode", "shared_decode", "decode_fp8", "goals", "end_to_end", "ceilings", "checks",
+            "moe"} <= set(results)
+    assert set(results["seconds"]) == set(declared_sections())  # every section ran, and --only can name each
     shared = results["shared_decode"]
     assert [(row["groups"], row["members"], row["max_err"] < 2e-2) for row in shared] == [(2, 3, True)]
     assert [(row["tokens"], row["max_error_vs_fp32"] < 5e-2) for row in results["moe"]] == [(1, True), (9, True)]
