@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from batchprefill.intmath import cdiv
@@ -120,3 +121,15 @@ def tiny_llama(ops: Ops, num_layers: int = 1, dtype: torch.dtype = torch.float32
     shapes |= {f"model.layers.{i}.{name}": shape for i in range(num_layers) for name, shape in LAYER_SHAPES.items()}
     weights = {name: (0.3 * torch.randn(shape, generator=gen)).to(dtype).to(device) for name, shape in shapes.items()}
     return DecoderModel(config, weights, ops)
+
+
+def unpadded_decode(model: DecoderModel, caches: list, ids: list[int], positions: np.ndarray, table: np.ndarray,
+                    slots: np.ndarray) -> torch.Tensor:
+    """The logits of one decode token per sequence through the model's plain forward: the reference a padded decode
+    step (engine/decode_graphs.py) must match."""
+    meta = AttentionMetadata(
+        query_start=torch.arange(len(ids) + 1, dtype=torch.int32), seq_lens=torch.from_numpy(positions + 1).int(),
+        block_tables=torch.from_numpy(table), slot_mapping=torch.from_numpy(slots),
+        query_lens_host=[1] * len(ids), seq_lens_host=(positions + 1).tolist(),
+    )
+    return model(torch.tensor(ids), torch.from_numpy(positions), caches, meta, torch.arange(len(ids)))

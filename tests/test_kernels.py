@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from batchprefill.engine.decode_graphs import PaddedDecode
-from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.kernels.triton.attention import _decode_kernel, _merge_kernel, _prefill_kernel
 from batchprefill.kernels.triton.ops import TritonOps, prefill_warps_and_stages
 from batchprefill.model.rope import rope_cos_sin
-from tests.synthetic import random_paged_batch, tiny_llama
+from tests.synthetic import random_paged_batch, tiny_llama, unpadded_decode
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # bf16: interpreter casts truncate
@@ -188,12 +187,7 @@ def test_padded_decode_of_3_then_2_rows_matches_the_unpadded_forward_despite_sta
         pos = np.asarray(positions)
         slots = table[np.arange(len(ids)), pos // 8].astype(np.int64) * 8 + pos % 8
         got = decoder.run(np.asarray(ids), pos, slots, pos + 1, table)
-        meta = AttentionMetadata(
-            query_start=torch.arange(len(ids) + 1, dtype=torch.int32), seq_lens=torch.from_numpy(pos + 1).int(),
-            block_tables=torch.from_numpy(table), slot_mapping=torch.from_numpy(slots),
-            query_lens_host=[1] * len(ids), seq_lens_host=(pos + 1).tolist(),
-        )
-        want = model(torch.tensor(ids), torch.from_numpy(pos), caches, meta, torch.arange(len(ids)))
+        want = unpadded_decode(model, caches, ids, pos, table, slots)
         assert_close(got, want, torch.float32)
 
 

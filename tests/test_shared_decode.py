@@ -10,11 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchprefill.engine.decode_graphs import PaddedDecode, group_layout
-from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.shared_prefix import group_decodes
 from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.kernels.triton.ops import TritonOps
-from tests.synthetic import random_paged_batch, tiny_llama
+from tests.synthetic import random_paged_batch, tiny_llama, unpadded_decode
 from tests.test_kernels import TOL, assert_close, poisoned_allocations  # noqa: F401 (an autouse fixture)
 
 
@@ -170,12 +169,7 @@ def test_padded_decode_of_5_grouped_rows_in_a_batch_of_8_matches_the_unpadded_fo
         expected_groups = [[0, 3, 16, 0], [3, 2, 8, 1]] if step == 0 else []
         assert staged.groups[: len(expected_groups)].tolist() == expected_groups
         assert (staged.groups[len(expected_groups) :] == 0).all()
-        meta = AttentionMetadata(
-            query_start=torch.arange(len(ids) + 1, dtype=torch.int32), seq_lens=torch.from_numpy(pos + 1).int(),
-            block_tables=torch.from_numpy(table), slot_mapping=torch.from_numpy(slots),
-            query_lens_host=[1] * len(ids), seq_lens_host=(pos + 1).tolist(),
-        )
-        want = model(torch.tensor(ids), torch.from_numpy(pos), caches, meta, torch.arange(len(ids)))
+        want = unpadded_decode(model, caches, ids, pos, table, slots)
         assert_close(got, want, torch.float32)
 
 

@@ -144,26 +144,12 @@ def floors(shape: JobShape, parameters: int, job: dict, rows: list[list[int]], b
 
 
 def measure_ceilings(device: torch.device) -> dict:
-    """Copy GB/s (bytes read + written) and bf16 matmul TFLOP/s, as benchmarks/gpu/gpu.py measures them."""
+    """Copy GB/s (bytes read + written) and bf16 matmul TFLOP/s, measured by benchmarks/gpu/gpu.py's own code."""
     if device.type != "cuda":
         return {"copy_gbps": 10.0, "matmul_tflops": 1.0}  # the smoke run's stand-ins
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    a, b = (torch.randn(8192, 8192, dtype=torch.bfloat16, device=device) for _ in range(2))
+    import gpu  # beside this file; it pulls in triton, which only a GPU run needs
 
-    def timed(fn, reps: int = 10) -> float:
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
-
-    copy_ms, matmul_ms = timed(lambda: dst.copy_(src)), timed(lambda: a @ b)
-    return {"copy_gbps": 2 * src.numel() * 2 / copy_ms / 1e6, "matmul_tflops": 2 * 8192**3 / matmul_ms / 1e9}
+    return gpu.measure_ceilings(gpu.Plan(), device, gpu.Timer(device))
 
 
 def hf_generate(folder: Path, rows: list[list[int]], shape: JobShape, device: torch.device, batch: int) -> float:
