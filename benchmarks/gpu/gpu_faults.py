@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -64,6 +65,7 @@ def memory_over_jobs(work: Path, device: str, jobs: int = 3) -> dict:
         [*base, f"output.dir={work}/mem0"]).model))
     allocated, pools = [], []
     for index in range(jobs):
+        shutil.rmtree(work / f"mem{index}", ignore_errors=True)  # a rerun runs every row again, not a resume
         job = job_settings([*base, f"output.dir={work}/mem{index}"])
         stats = run_job(job, model)
         allocated.append(torch.cuda.memory_allocated() if device == "cuda" else 0)

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -101,6 +102,7 @@ def run_job(folder: Path, data: Path, out: Path, shape: JobShape, overrides: lis
             f"model.path={folder}", f"sampling.max_tokens={shape.max_tokens}", "sampling.ignore_eos=true",
             "output.plot=false", "output.progress=false", "output.resume=false", f"engine.device={device}",
             *overrides]
+    shutil.rmtree(out, ignore_errors=True)  # this script's own folder: a rerun starts the job afresh
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     began = time.perf_counter()
     done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO)
