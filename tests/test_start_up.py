@@ -13,17 +13,20 @@ from batchprefill.kernels.triton.ops import TritonOps
 from tests.synthetic import tiny_llama
 
 
-def test_the_warm_up_runs_prefill_and_decode_kernels_and_leaves_the_pool_all_zero(monkeypatch):
+def test_the_warm_up_runs_prefill_plain_and_shared_decode_kernels_and_leaves_the_pool_all_zero(monkeypatch):
     launched = []
-    for name in ("prefill_attention", "decode_attention"):
+    for name in ("prefill_attention", "decode_attention", "shared_decode_attention"):
         kernel = getattr(triton_ops, name)
         monkeypatch.setattr(triton_ops, name, lambda *a, _k=kernel, _n=name, **kw: launched.append(_n) or _k(*a, **kw))
     runner = ModelRunner(tiny_llama(TritonOps()), num_blocks=8, block_size=8, kv_dtype=torch.float32,
                          device=torch.device("cpu"), padded_decode="eager", max_num_seqs=4)
     assert not launched  # the CPU skips it when building the runner
     runner.warm_up(long_chunk=20)
-    # the mixed pass: the prefill kernel (two chunks) and the decode kernel (two decodes); the long chunk: prefill
-    assert launched == ["prefill_attention", "decode_attention", "prefill_attention"]
+    # the mixed pass: the prefill kernel (two chunks) and the decode kernel (two decodes at contexts 16 and 3,
+    # no block in common); a chunk beside two decodes at context 16 holding the same 2 blocks: the shared-prefix
+    # decode; the long chunk: prefill
+    assert launched == ["prefill_attention", "decode_attention", "prefill_attention", "shared_decode_attention",
+                        "prefill_attention"]
     assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
 
 

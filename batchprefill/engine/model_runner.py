@@ -69,11 +69,16 @@ class ModelRunner:
 
     def warm_up(self, long_chunk: int = WARM_UP_LONG_CHUNK) -> None:
         """Compile the kernels before the first step: on an H200 the first 3 steps of a fresh machine spent 5 s in
-        Triton compiles. One forward over a chunk from scratch, a chunk after a cached context and two decodes, then
-        one over a `long_chunk`-token chunk (the other prefill tile), and a greedy pick; every slot is -1, so
-        nothing is written to the pool (the padded decode path warms its own kernels as it captures)."""
+        Triton compiles. One forward over a chunk from scratch, a chunk after a cached context and two decodes that
+        share no block; one over a chunk beside two decodes that share two blocks (the shared-prefix decode of a
+        mixed step: its first launch inside a job made one 8B step wait 92.5% of it on the host); then one over a
+        `long_chunk`-token chunk (the other prefill tile); each with a greedy pick. Every block table is all block
+        0 and every slot -1, so nothing is written to the pool (the padded decode path warms its own kernels as it
+        captures)."""
         size, longest = self.block_size, self.model.config.max_positions
-        for query_lens, contexts in (([5, 3, 1, 1], [0, size, 2 * size, 3]), ([min(long_chunk, longest)], [0])):
+        passes = (([5, 3, 1, 1], [0, size, 2 * size, 3]), ([3, 1, 1], [size, 2 * size, 2 * size]),
+                  ([min(long_chunk, longest)], [0]))
+        for query_lens, contexts in passes:
             query_lens, contexts = np.array(query_lens), np.array(contexts)
             seq_lens = contexts + query_lens
             query_start = np.concatenate([[0], np.cumsum(query_lens)])

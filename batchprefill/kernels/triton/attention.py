@@ -89,24 +89,30 @@ def _kv_offsets(table_ptr, kv_pos, kv_valid, block_size, stride_block, stride_sl
 
 
 @triton.jit
-def _prefill_inner(
-    acc, m_i, l_i, q, q_pos, lo, hi, seq_len, window, k_ptr, v_ptr, table_ptr, dim_offs, dim_valid, qk_scale,
+def _attend_tiles(
+    acc, m_i, l_i, q, q_pos, lo, hi, end, window, k_ptr, v_ptr, table_ptr, dim_offs, dim_valid, qk_scale,
     block_size, stride_block, stride_slot,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK_END: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax over KV tiles [lo, hi); MASKED applies causality, the sequence end and, with SLIDING,
-    the window (a query at p sees keys above p - window)."""
+    """Online softmax of the query rows `q` over the KV tiles [lo, hi), keys at or past `end` never loaded: the
+    one tile loop of the prefill, decode and shared-prefix kernels. MASK_END gives keys past `end` no weight
+    (a tile that may cross it); CAUSAL (with MASK_END) also those after each row's position `q_pos`, and with
+    SLIDING those outside its window (a query at p sees keys above p - window). Unmasked, every key in
+    [lo, hi) counts: the prefill kernel's tiles that every row of its tile sees in full."""
     for start in range(lo, hi, BLOCK_N):
         kv_pos = start + tl.arange(0, BLOCK_N)
-        kv_valid = kv_pos < seq_len
+        kv_valid = kv_pos < end
         rows = _kv_offsets(table_ptr, kv_pos, kv_valid, block_size, stride_block, stride_slot)
         tile_mask = kv_valid[:, None] & dim_valid[None, :]
         k = load_kv(k_ptr + rows[:, None] + dim_offs[None, :], tile_mask, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if MASKED:
-            visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
-            if SLIDING:
-                visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
+        if MASK_END:
+            visible = kv_valid[None, :]
+            if CAUSAL:
+                visible = visible & (kv_pos[None, :] <= q_pos[:, None])
+                if SLIDING:
+                    visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -170,13 +176,13 @@ def _prefill_kernel(
         lo = 0
         unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     end = tl.minimum(seq_len, first_pos + BLOCK_M)
-    acc, m_i, l_i = _prefill_inner(
+    acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, lo, unmasked_end, seq_len, window, k_ptr, v_ptr, table_ptr, dim_offs, dim_valid,
-        qk_scale, block_size, stride_kb, stride_ks, BLOCK_N, False, SLIDING, DOT_PRECISION,
+        qk_scale, block_size, stride_kb, stride_ks, BLOCK_N, False, False, SLIDING, DOT_PRECISION,
     )
-    acc, m_i, l_i = _prefill_inner(
+    acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, unmasked_end, end, seq_len, window, k_ptr, v_ptr, table_ptr, dim_offs,
-        dim_valid, qk_scale, block_size, stride_kb, stride_ks, BLOCK_N, True, SLIDING, DOT_PRECISION,
+        dim_valid, qk_scale, block_size, stride_kb, stride_ks, BLOCK_N, True, True, SLIDING, DOT_PRECISION,
     )
 
     out = acc / l_i[:, None]
@@ -192,6 +198,20 @@ def _segment_len(seq_len, num_segments, min_segment, BLOCK_N: tl.constexpr):
     splits a 2k-token context into 8 segments of 256, not one."""
     wanted = tl.maximum(1, tl.minimum(num_segments, tl.cdiv(seq_len, min_segment)))
     return tl.cdiv(tl.cdiv(seq_len, wanted), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _launch_row_context(launch_row, seq_index_ptr, shared_lens_ptr, query_start_ptr, seq_lens_ptr,
+                        INDEXED: tl.constexpr, SHARED: tl.constexpr):
+    """(sequence, context length, query row, shared-prefix tokens) of a decode or merge launch row: with INDEXED
+    the row serves sequence seq_index[row], with SHARED its first shared_lens[row] tokens are its group's (else 0)."""
+    seq = launch_row
+    if INDEXED:
+        seq = tl.load(seq_index_ptr + launch_row)
+    shared = 0
+    if SHARED:
+        shared = tl.load(shared_lens_ptr + launch_row)
+    return seq, tl.load(seq_lens_ptr + seq), tl.load(query_start_ptr + seq), shared
 
 
 @jit_unspecialized("stride_table", "min_segment", "prefix_slots")
@@ -214,14 +234,8 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
     num_segments = tl.num_programs(2)
-    seq = launch_row
-    if INDEXED:
-        seq = tl.load(seq_index_ptr + launch_row)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    row = tl.load(query_start_ptr + seq)
-    shared = 0
-    if SHARED:
-        shared = tl.load(shared_lens_ptr + launch_row)
+    seq, seq_len, row, shared = _launch_row_context(launch_row, seq_index_ptr, shared_lens_ptr, query_start_ptr,
+                                                    seq_lens_ptr, INDEXED, SHARED)
     segment_len = _segment_len(seq_len - shared, num_segments, min_segment, BLOCK_N)
     lo = shared + segment * segment_len
     hi = tl.minimum(seq_len, lo + segment_len)
@@ -241,25 +255,14 @@ def _decode_kernel(
 
     kv_head_offset = kv_head * stride_kh
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
-    dim_offs = dims * stride_kd
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - 1e30
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        kv_pos = start + tl.arange(0, BLOCK_N)
-        kv_valid = kv_pos < hi
-        rows = _kv_offsets(table_ptr, kv_pos, kv_valid, block_size, stride_kb, stride_ks) + kv_head_offset
-        tile_mask = kv_valid[:, None] & dim_valid[None, :]
-        k = load_kv(k_cache_ptr + rows[:, None] + dim_offs[None, :], tile_mask, q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(kv_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv(v_cache_ptr + rows[:, None] + dim_offs[None, :], tile_mask, q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    acc, m_i, l_i = _attend_tiles(  # the window moved `lo`: every key left in [lo, hi) is visible
+        acc, m_i, l_i, q, seq_len - 1, lo, hi, hi, window, k_cache_ptr + kv_head_offset,
+        v_cache_ptr + kv_head_offset, table_ptr, dims * stride_kd, dim_valid, qk_scale, block_size, stride_kb,
+        stride_ks, BLOCK_N, True, False, False, DOT_PRECISION,
+    )
 
     l_i = tl.maximum(l_i, 1e-30)  # 0 only in a segment past the sequence end, which the merge never reads
     out = acc / l_i[:, None]
@@ -325,14 +328,8 @@ def _merge_kernel(
     group), merged in the same pass as its own segments."""
     launch_row = tl.program_id(0)
     head = tl.program_id(1)
-    seq = launch_row
-    if INDEXED:
-        seq = tl.load(seq_index_ptr + launch_row)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    row = tl.load(query_start_ptr + seq)
-    shared = 0
-    if SHARED:
-        shared = tl.load(shared_lens_ptr + launch_row)
+    _, seq_len, row, shared = _launch_row_context(launch_row, seq_index_ptr, shared_lens_ptr, query_start_ptr,
+                                                  seq_lens_ptr, INDEXED, SHARED)
     own = seq_len - shared
     segments = tl.arange(0, BLOCK_S)
     seg_valid = segments < tl.cdiv(own, _segment_len(own, num_segments, min_segment, BLOCK_N))

@@ -27,13 +27,12 @@ from batchprefill.kernels.triton.attention import (
     LOG2E,
     MAX_PREFIX_SEGMENTS,
     SharedPrefixParts,
+    _attend_tiles,
     _cache_strides,
-    _kv_offsets,
     _segment_len,
     decode_attention,
     dot_settings,
     jit_unspecialized,
-    load_kv,
     shared_slots,
 )
 
@@ -93,25 +92,14 @@ def _shared_prefix_kernel(
 
     kv_head_offset = kv_head * stride_kh
     table_ptr = block_tables_ptr + table_row.to(tl.int64) * stride_table
-    dim_offs = dims * stride_kd
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_R], dtype=tl.float32) - 1e30
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):  # every key of the shared prefix precedes every member's query
-        kv_pos = start + tl.arange(0, BLOCK_N)
-        kv_valid = kv_pos < hi
-        offsets = _kv_offsets(table_ptr, kv_pos, kv_valid, block_size, stride_kb, stride_ks) + kv_head_offset
-        tile_mask = kv_valid[:, None] & dim_valid[None, :]
-        k = load_kv(k_cache_ptr + offsets[:, None] + dim_offs[None, :], tile_mask, q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(kv_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv(v_cache_ptr + offsets[:, None] + dim_offs[None, :], tile_mask, q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    acc, m_i, l_i = _attend_tiles(  # every key of the shared prefix precedes every member's query
+        acc, m_i, l_i, q, q_row, lo, hi, hi, 0, k_cache_ptr + kv_head_offset, v_cache_ptr + kv_head_offset,
+        table_ptr, dims * stride_kd, dim_valid, qk_scale, block_size, stride_kb, stride_ks, BLOCK_N, True, False,
+        False, DOT_PRECISION,
+    )
 
     l_i = tl.maximum(l_i, 1e-30)  # 0 only in a segment past the prefix end, which the merge never reads
     # Layouts as the decode kernel's split: [rows, Hq, num_slots(, BLOCK_D)], this segment's slot first.
