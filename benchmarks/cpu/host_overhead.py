@@ -2,6 +2,7 @@
 
     python benchmarks/cpu/host_overhead.py                       # this checkout
     python benchmarks/cpu/host_overhead.py --baseline REV        # and, in the same run, the code at git REV
+    python benchmarks/cpu/host_overhead.py --seqs 1024 --stub-forward --baseline REV   # the host work alone
 
 A 2-layer Llama-shaped model (hidden 64, SmolLM2's 49,152-token vocabulary, random weights) runs 2,400 rows
 that share 8 long documents, 16 output tokens each, up to 256 sequences per step, float32 on the CPU, on the
@@ -10,6 +11,11 @@ layers, attention and the backend's per-step attention plan): everything the eng
 the scheduler, building the runner's metadata, sampling, appending tokens, stop checks, statistics. The
 engine's own breakdown (stats columns schedule_ms, prepare_ms, sample_ms, bookkeeping_ms) is printed where
 the code has it. Steps with at least 200 running sequences are the ones reported.
+
+`--seqs N` runs up to N sequences a step with a budget of 8N tokens (256 and 2,048 by default) and reports the
+steps with at least 200N/256 of them. `--stub-forward` replaces the model's forward by a stub that returns a fixed
+token for every sampled row (or zero logits), so a step is the engine's own work alone, as on a GPU where the
+forward runs beside it.
 
 The baseline runs the same script against another revision (a temporary git worktree), as a child process,
 so both figures come from one run on one machine.
@@ -33,7 +39,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 49152, 64, 256, 2, 4, 2
 DOCUMENTS, QUESTIONS, DOCUMENT_TOKENS, QUESTION_TOKENS, OUTPUT_TOKENS = 8, 300, 1500, 20, 16
-MIN_SEQS = 200
+MIN_SEQS_PER_256 = 200
+STUB_TOKEN = 7  # what the stubbed forward samples for every row: neither EOS nor anything a stop string reads
 
 
 def tiny_model():
@@ -85,7 +92,17 @@ def rows() -> list[list[int]]:
                   for _ in range(QUESTIONS))
 
 
-def measure() -> dict:
+def stub_forward(input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: object,
+                 logits_rows: torch.Tensor, greedy: bool = False, lora: object = None) -> torch.Tensor:
+    """The model's forward without the model: STUB_TOKEN for every sampled row (or zero logits, where it argmaxes)."""
+    if greedy:
+        return torch.full((len(logits_rows),), STUB_TOKEN, dtype=torch.int64)
+    logits = torch.zeros(len(logits_rows), VOCAB)
+    logits[:, STUB_TOKEN] = 1.0
+    return logits
+
+
+def measure(seqs: int, stub: bool) -> dict:
     from batchprefill.engine.engine import Engine, EngineConfig
     from batchprefill.engine.request import Request
 
@@ -94,10 +111,16 @@ def measure() -> dict:
     except ImportError:  # revisions before it was a module of its own
         from batchprefill.engine.request import SamplingParams
 
+    try:  # as a job does (pipeline/build_engine.py): without it each step's large arrays page-fault in anew
+        from batchprefill.malloc import keep_freed_memory
+
+        keep_freed_memory()
+    except ImportError:  # revisions before it
+        pass
     torch.set_num_threads(int(os.environ.get("BP_THREADS", "2")))
     model = tiny_model()
     forward_seconds: list[float] = []
-    inner = model.forward
+    inner = stub_forward if stub else model.forward
 
     def timed_forward(*args, **kwargs):
         start = time.perf_counter()
@@ -108,7 +131,7 @@ def measure() -> dict:
     model.forward = timed_forward
     prompts = rows()
     tokens = sum(map(len, prompts)) + len(prompts) * OUTPUT_TOKENS
-    fields = {"block_size": 16, "max_batched_tokens": 2048, "max_num_seqs": 256}
+    fields = {"block_size": 16, "max_batched_tokens": 8 * seqs, "max_num_seqs": seqs}
     if "settings" in {field.name for field in dataclasses.fields(EngineConfig)}:
         from batchprefill.engine.config import EngineSettings
 
@@ -137,7 +160,7 @@ def measure() -> dict:
     assert finished == len(prompts)
     steps = engine.counters.steps
     assert len(steps) == len(forward_seconds), "one forward per step"
-    busy = [(s, f) for s, f in zip(steps, forward_seconds) if s.num_seqs >= MIN_SEQS]
+    busy = [(s, f) for s, f in zip(steps, forward_seconds) if s.num_seqs >= MIN_SEQS_PER_256 * seqs // 256]
     host = [s.duration_ms - 1e3 * f for s, f in busy]
     result = {"steps": len(steps), "busy_steps": len(busy), "wall_s": round(wall, 2),
               "step_ms": round(statistics.mean(s.duration_ms for s, _ in busy), 2),
@@ -147,22 +170,24 @@ def measure() -> dict:
     for phase in ("schedule_ms", "prepare_ms", "sample_ms", "bookkeeping_ms"):
         if hasattr(busy[0][0], phase):
             result[phase] = round(statistics.mean(getattr(s, phase) for s, _ in busy), 3)
+            result[phase[:-3] + "_median_ms"] = round(statistics.median(getattr(s, phase) for s, _ in busy), 3)
     return result
 
 
-def run_revision(rev: str) -> dict:
-    """This script's measurement on the code at `rev`, in a temporary worktree, as a child process."""
+def run_revision(rev: str, options: list[str]) -> dict:
+    """This script's measurement (with the same `options`) on the code at `rev`, in a temporary worktree, as a child
+    process."""
     from revisions import checkout
 
     with checkout(rev) as tree:
-        done = subprocess.run([sys.executable, __file__, "--json"], env={**os.environ, "PYTHONPATH": str(tree)},
-                              capture_output=True, text=True, check=True)
+        done = subprocess.run([sys.executable, __file__, "--json", *options],
+                              env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def report(name: str, r: dict) -> None:
-    phases = ", ".join(f"{k[:-3]} {r[k]:.2f}" for k in ("schedule_ms", "prepare_ms", "sample_ms", "bookkeeping_ms")
-                       if k in r)
+    phases = ", ".join(f"{k[:-3]} {r[k]:.2f} (median {r.get(k[:-3] + '_median_ms', float('nan')):.2f})"
+                       for k in ("schedule_ms", "prepare_ms", "sample_ms", "bookkeeping_ms") if k in r)
     print(f"{name:>10}: {r['busy_steps']} steps at {r['seqs']:.0f} seqs: step {r['step_ms']:.2f} ms = forward "
           f"{r['forward_ms']:.2f} + host {r['host_ms']:.2f} ms (median {r['host_ms_median']:.2f}; "
           f"{r['host_ms'] / r['step_ms']:.0%} of the step){'; ' + phases if phases else ''}")
@@ -173,13 +198,16 @@ def main() -> None:
     parser.add_argument("--baseline", help="git revision to measure side by side")
     parser.add_argument("--json", action="store_true", help="print this checkout's figures as one JSON line")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--seqs", type=int, default=256, help="most sequences a step (the token budget is 8x)")
+    parser.add_argument("--stub-forward", action="store_true", help="time the engine's own work alone")
     args = parser.parse_args()
     if args.json:
-        print(json.dumps(measure()))
+        print(json.dumps(measure(args.seqs, args.stub_forward)))
         return
-    results = {"this": measure()}
+    options = ["--seqs", str(args.seqs), *(["--stub-forward"] if args.stub_forward else [])]
+    results = {"this": measure(args.seqs, args.stub_forward)}
     if args.baseline:
-        results["baseline"] = run_revision(args.baseline)
+        results["baseline"] = run_revision(args.baseline, options)
     for name, r in results.items():
         report(name, r)
     if args.out:
