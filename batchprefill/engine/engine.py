@@ -146,12 +146,12 @@ class Engine:
         finished, self.rejected = finished + self.rejected, []
         for request in step.preempted:
             self._release(request)
-        if step.chunks:
+        if step.requests:
             inputs = self.runner.prepare(step)
             reads = step_reads(step.chunks, inputs.query_start) if self.readouts else None
             states = step_states(step.chunks, inputs.query_start) if self.state_readouts else None
             masks = self.structured.start(step, inputs.sampled) if self.structured is not None else None
-            sampled = [step.chunks[index].request for index in inputs.sampled.tolist()]
+            sampled = [step.requests[index] for index in inputs.sampled.tolist()]
             clock.append(time.perf_counter())
             if states is None and sampled and self._greedy_only(inputs, sampled, reads):
                 tokens = self.runner.greedy_tokens(inputs)  # the forward, which picks them on the way
@@ -182,7 +182,7 @@ class Engine:
             if self.forking:
                 self._fork(logits, raw, sampled, finished)
             if inputs.prefilled.size:
-                self._prefilled([step.chunks[index].request for index in inputs.prefilled.tolist()], finished)
+                self._prefilled([step.requests[index] for index in inputs.prefilled.tolist()], finished)
             if tops is None and self.structured is None:
                 self._append_all(sampled, tokens.tolist(), finished)
             else:
@@ -208,9 +208,9 @@ class Engine:
         for request in step.preempted:
             self._release(request)
         sampled: list[Request] = []
-        if step.chunks:
+        if step.requests:
             inputs = self.runner.prepare(step)
-            sampled = [step.chunks[index].request for index in inputs.sampled.tolist()]
+            sampled = [step.requests[index] for index in inputs.sampled.tolist()]
             clock.append(time.perf_counter())
             previous = None if self.in_flight is None else self.in_flight.tokens
             if not sampled:  # a prefill-only step: no LM head
@@ -228,10 +228,10 @@ class Engine:
         else:
             clock += clock[-1:] * 3
         waited = self._land(finished)
-        if step.chunks:
+        if step.requests:
             self.scheduler.commit(step)
             if inputs.prefilled.size:
-                self._prefilled([step.chunks[index].request for index in inputs.prefilled.tolist()], finished)
+                self._prefilled([step.requests[index] for index in inputs.prefilled.tolist()], finished)
             if sampled:
                 self.in_flight = self._pend(sampled, tokens, copy)
         self._record(step, clock, finished, waited, overlapped=True)
@@ -463,7 +463,7 @@ class Engine:
             schedule -= waited
         self.counters.steps.append(StepStats(
             step=len(self.counters.steps), num_decode_tokens=step.num_decode_tokens,
-            num_prefill_tokens=step.num_prefill_tokens, num_seqs=len(step.chunks),
+            num_prefill_tokens=step.num_prefill_tokens, num_seqs=len(step.requests),
             active_blocks=counts.active, reclaimable_blocks=counts.reclaimable, free_blocks=counts.free,
             duration_ms=(now - clock[0]) * 1e3, schedule_ms=schedule, prepare_ms=prepare, forward_ms=forward,
             sample_ms=sample, bookkeeping_ms=bookkeeping, token_wait_ms=waited,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from batchprefill.engine.request import Request
+from batchprefill.engine.request import PENDING_TOKEN, Request
 from batchprefill.engine.sampler import SamplingBatch, request_key
 from batchprefill.engine.scheduler_output import SchedulerOutput
 from batchprefill.intmath import cdiv
@@ -50,7 +50,7 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int):
         self.block_size = block_size
         self.block_table = np.zeros((max_num_seqs, cdiv(max_model_len, block_size) + 1), dtype=np.int32)
-        self.num_blocks = [0] * max_num_seqs  # blocks of each row's table copied in (a list: read per chunk)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # blocks of each row's table copied in
         self.temperature = np.zeros(max_num_seqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_seqs, dtype=np.int32)
         self.top_p = np.ones(max_num_seqs, dtype=np.float32)
@@ -79,57 +79,46 @@ class InputBatch:
         self.num_blocks[row] = 0
         return row
 
-    def _sync_blocks(self, request: Request, row: int) -> None:
-        """Copy in the blocks the scheduler appended since the last step."""
-        have = self.num_blocks[row]
-        table = request.block_table
-        self.block_table[row, have : len(table)] = table[have:]
-        self.num_blocks[row] = len(table)
-
     def prepare(self, step: SchedulerOutput) -> ForwardInputs:
-        """The step's flat batch: one pass over its chunks in Python, the rest vectorized. The pass reads each
-        request's lists once (no property calls) and notes its token count for the sampled-row test; on
-        benchmarks/cpu/host_overhead.py (255 sequences per step, one thread, a loaded machine) prepare went from
-        0.64 to 0.46-0.51 ms."""
-        rows, starts, counts, totals, ids, gathers = [], [], [], [], [], []
-        num_blocks = self.num_blocks
-        width = 0
-        for chunk in step.chunks:
-            request = chunk.request
-            row = request.batch_row
-            if row < 0:
-                row = self._admit(request)
-            blocks = len(request.block_table)
-            if blocks != num_blocks[row]:
-                self._sync_blocks(request, row)
-            if blocks > width:
-                width = blocks
-            start, count = request.num_computed_tokens, chunk.num_tokens
-            outputs = request.output_token_ids
-            total = len(request.prompt_token_ids) + len(outputs)
-            if count == 1 and outputs and start == total - 1:  # a decode: the token sampled last step
-                if request.pending_sample >= 0:  # still on the device (the overlapped loop)
-                    gathers.append((len(ids), request.pending_sample))
-                    ids.append(0)
-                else:
-                    ids.append(outputs[-1])
-            else:
-                ids.extend(request.tokens(start, start + count))
-            rows.append(row)
-            starts.append(start)
-            counts.append(count)
-            totals.append(total)
-        rows_a = np.array(rows, dtype=np.int64)
-        starts_a = np.array(starts, dtype=np.int64)
-        counts_a = np.array(counts, dtype=np.int64)
-        query_start = np.zeros(len(rows) + 1, dtype=np.int64)
+        """The step's flat batch from the step's columns. Only the chunks that need it are visited in Python: new
+        rows, block tables that grew, the prompt chunks' token ids; a decode's input id is its last output (or,
+        when that is still on the device, PENDING_TOKEN, which the device gathers). At 1,024 decodes a step
+        (benchmarks/cpu/host_overhead.py --seqs 1024 --stub-forward) one Python pass over every chunk took 0.54 ms."""
+        requests = step.requests
+        num_chunks, num_decodes = len(requests), step.num_decode_tokens
+        rows_a = np.fromiter(map(_batch_row, requests), np.int64, num_chunks)
+        for index in np.flatnonzero(rows_a < 0).tolist():
+            rows_a[index] = self._admit(requests[index])
+        num_blocks, table = step.num_blocks, self.block_table
+        for index in np.flatnonzero(num_blocks != self.num_blocks[rows_a]).tolist():
+            row, blocks = rows_a[index], requests[index].block_table
+            have = self.num_blocks[row]
+            table[row, have : len(blocks)] = blocks[have:]
+        self.num_blocks[rows_a] = num_blocks
+        width = int(num_blocks.max())
+        starts_a, counts_a = step.starts, step.num_tokens
+        totals = starts_a + 1  # a decode's tokens: the computed ones and the one sampled last step
+        last = np.fromiter(map(_last_output, requests[:num_decodes]), np.int64, num_decodes)
+        pending = np.flatnonzero(last == PENDING_TOKEN)
+        gathers = {}
+        if pending.size:  # still on the device (the overlapped loop)
+            gathers = {"gather_rows": pending, "gather_sources": np.fromiter(
+                (requests[i].pending_sample for i in pending.tolist()), np.int64, pending.size)}
+            last[pending] = 0
+        ids = [last]
+        for index in range(num_decodes, num_chunks):
+            request = requests[index]
+            start = int(starts_a[index])
+            totals[index] = request.num_tokens
+            ids.append(np.array(request.tokens(start, start + int(counts_a[index])), dtype=np.int64))
+        query_start = np.zeros(num_chunks + 1, dtype=np.int64)
         np.cumsum(counts_a, out=query_start[1:])
         token_rows = np.repeat(rows_a, counts_a)
         positions = np.arange(query_start[-1], dtype=np.int64) - np.repeat(query_start[:-1] - starts_a, counts_a)
         size = self.block_size
-        slots = self.block_table[token_rows, positions // size].astype(np.int64) * size + positions % size
+        slots = table[token_rows, positions // size].astype(np.int64) * size + positions % size
         seq_lens = starts_a + counts_a
-        complete = seq_lens == np.array(totals, dtype=np.int64)
+        complete = seq_lens == totals
         samples = self.samples[rows_a]
         sampled = np.flatnonzero(complete & samples)
         sampled_rows = rows_a[sampled]
@@ -137,17 +126,17 @@ class InputBatch:
                                  self.keys[sampled_rows], self.num_outputs[sampled_rows])
         self.num_outputs[sampled_rows] += 1
         return ForwardInputs(
-            input_ids=np.array(ids, dtype=np.int64), positions=positions, slot_mapping=slots,
+            input_ids=np.concatenate(ids), positions=positions, slot_mapping=slots,
             query_start=query_start.astype(np.int32), seq_lens=seq_lens.astype(np.int32),
-            block_tables=self.block_table[rows_a, :width], logits_rows=query_start[1:][sampled] - 1,
+            block_tables=table[rows_a, :width], logits_rows=query_start[1:][sampled] - 1,
             sampled=sampled, sampling=sampling, prefilled=np.flatnonzero(complete & ~samples),
-            token_adapters=self.adapter[token_rows],
-            **_gathers(gathers),
+            token_adapters=self.adapter[token_rows], **gathers,
         )
 
 
-def _gathers(gathers: list[tuple[int, int]]) -> dict[str, np.ndarray]:
-    if not gathers:
-        return {}
-    rows, sources = np.array(gathers, dtype=np.int64).T
-    return {"gather_rows": rows, "gather_sources": sources}
+def _batch_row(request: Request) -> int:
+    return request.batch_row
+
+
+def _last_output(request: Request) -> int:
+    return request.output_token_ids[-1]

@@ -50,7 +50,7 @@ class StructuredOutputs:
         """Begin filling the masks of the step's sampled chunks (`sampled`: their indices, in logits order)."""
         rows = []
         for index in sampled.tolist():
-            request = step.chunks[index].request
+            request = step.requests[index]
             row = request.batch_row
             if self.owners[row] is not request:
                 self._admit(row, request)
