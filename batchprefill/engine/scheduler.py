@@ -259,7 +259,8 @@ class Scheduler:
         slot's column too is advanced, harmlessly: a slot is not reused before the next step is scheduled).
 
         A chunk that completes a request that samples (max_tokens > 0) makes it a decode: the caller appends its
-        sampled token (or finishes it) before the next `schedule`, as the engine does."""
+        sampled token (or finishes it) before the next `schedule`, as the engine does; so does a chunk that leaves
+        only the last token of a request with outputs (a preempted one, recomputed)."""
         size, register, finished = self.block_size, self.prefix_cache.register, Status.FINISHED
         requests, starts, counts = step.requests, step.starts, step.num_tokens
         after = starts + counts
@@ -274,9 +275,11 @@ class Scheduler:
         decoding = self.rows.decoding
         for index in range(step.num_decode_tokens, len(requests)):  # the decodes decode still
             request = requests[index]
-            if (request.status is not finished and request.sampling.max_tokens > 0
-                    and request.num_computed_tokens == request.num_tokens):
-                decoding[step.slots[index]] = True
+            if request.status is not finished:
+                # A recomputed request with outputs decodes once only its last token is left, as one that samples
+                # does once its prompt is computed.
+                decoding[step.slots[index]] = request.is_decoding or (
+                    request.sampling.max_tokens > 0 and request.num_computed_tokens == request.num_tokens)
 
     def fork(self, parent: Request) -> list[tuple[int, int]]:
         """Start the children of a parent whose prompt is now computed; returns the (parent, child) blocks whose
