@@ -42,7 +42,8 @@ def simulate(w: dict, one_by_one: bool) -> list[tuple]:
         prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 3 * size))]
         request = Request(i, prompt, SamplingParams(max_tokens=0 if w["forks"] == "choices" else rng.randrange(1, 6)))
         request.forks = with_forks(request, w["forks"], rng, next_id)
-        if all(r.num_prompt_tokens + r.sampling.max_tokens <= w["num_blocks"] * size for r in (request, *request.forks)):
+        capacity = w["num_blocks"] * size
+        if all(r.num_prompt_tokens + r.sampling.max_tokens <= capacity for r in (request, *request.forks)):
             scheduler.add(request)
     trace = []
     for _ in range(5000):
