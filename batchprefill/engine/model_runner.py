@@ -93,7 +93,7 @@ class ModelRunner:
                 seq_lens=seq_lens.astype(np.int32), block_tables=np.zeros((len(rows), -(-seq_lens.max() // size)),
                                                                           np.int32),
                 logits_rows=rows, sampled=np.arange(len(rows)), sampling=greedy, prefilled=np.zeros(0, np.int64),
-                token_adapters=np.zeros(len(positions), np.int32))
+                token_adapters=np.zeros(len(positions), np.int32), may_end=np.zeros(len(rows), bool))
             if self.model.lm_head is None:  # a classifier's or embedder's model makes hidden states only
                 self._hidden(inputs, rows)
             else:
