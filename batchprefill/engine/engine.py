@@ -56,6 +56,7 @@ class InFlight:
     requests: list[Request | None]  # per sampled row, the request whose PENDING_TOKEN it fills (None: dropped)
     tokens: torch.Tensor  # on the device: the next step's decodes gather their input ids from it
     copy: TokenCopy
+    may_end: np.ndarray  # per sampled row: it may end whatever its token (ForwardInputs.may_end)
 
 
 class Engine:
@@ -234,48 +235,47 @@ class Engine:
             if inputs.prefilled.size:
                 self._prefilled([step.requests[index] for index in inputs.prefilled.tolist()], finished)
             if sampled:
-                self.in_flight = self._pend(sampled, tokens, copy)
+                self.in_flight = self._pend(sampled, tokens, copy, inputs.may_end)
         self._record(step, clock, finished, waited, overlapped=True)
         return finished
 
-    def _pend(self, sampled: list[Request], tokens: torch.Tensor, copy: TokenCopy) -> InFlight:
+    def _pend(self, sampled: list[Request], tokens: torch.Tensor, copy: TokenCopy, may_end: np.ndarray) -> InFlight:
         """Each sampled request still running holds PENDING_TOKEN until its token lands; one that ended on the last
         step's token (learnt just now) has its token dropped. One whose output ends by length at this token is
-        done now: it gives its blocks back and no later step schedules it."""
+        done now: it gives its blocks back and no later step schedules it (only the `may_end` rows can)."""
         waiting: list[Request | None] = []
-        max_positions = self.max_positions
+        finished = Status.FINISHED
         for index, request in enumerate(sampled):
-            if request.status is Status.FINISHED:
+            if request.status is finished:
                 waiting.append(None)
                 continue
-            outputs = request.output_token_ids
-            outputs.append(PENDING_TOKEN)
+            request.output_token_ids.append(PENDING_TOKEN)
             request.pending_sample = index
             waiting.append(request)
-            if (len(outputs) >= request.sampling.max_tokens
-                    or len(request.prompt_token_ids) + len(outputs) >= max_positions):
+        for index in np.flatnonzero(may_end).tolist():
+            request = waiting[index]
+            if request is not None and (len(request.output_token_ids) >= request.sampling.max_tokens
+                                        or request.num_tokens >= self.max_positions):
                 self._done(request)
-        return InFlight(waiting, tokens, copy)
+        return InFlight(waiting, tokens, copy, may_end)
 
     def _land(self, finished: list[Request]) -> float:
-        """Read the in-flight step's tokens into their requests and finish those that end (as `_append_all`
-        does); returns the milliseconds the host waited for the device."""
+        """Read the in-flight step's tokens into their requests and finish those that may end (an EOS token, or
+        the step's `may_end`: as `_append_all` does); returns the milliseconds the host waited for the device."""
         flight, self.in_flight = self.in_flight, None
         if flight is None:
             return 0.0
         started = time.perf_counter()
-        tokens = flight.copy.wait().tolist()
+        tokens = flight.copy.wait()
         waited = (time.perf_counter() - started) * 1e3
-        eos, max_positions = self.eos, self.max_positions
-        for request, token in zip(flight.requests, tokens):
-            if request is None:
-                continue
-            outputs = request.output_token_ids
-            outputs[-1] = token
-            request.pending_sample = -1
-            params = request.sampling
-            if ((token in eos or params.stop or len(outputs) >= params.max_tokens
-                 or len(request.prompt_token_ids) + len(outputs) >= max_positions) and self._ends(request, token)):
+        values = tokens.tolist()
+        for request, token in zip(flight.requests, values):
+            if request is not None:
+                request.output_token_ids[-1] = token
+                request.pending_sample = -1
+        for index in np.flatnonzero(flight.may_end | np.isin(tokens, self.eos_ids)).tolist():
+            request = flight.requests[index]
+            if request is not None and self._ends(request, values[index]):
                 self._done(request)  # a second time for one done by length when launched: nothing more happens
                 finished.append(request)
         return waited
