@@ -889,19 +889,19 @@ inline __m512 sum_sixteen(const __m512* p) {
   return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
 }
 
-// scores[0:count] = scale * (query . key t) for count <= 16 tokens of bfloat16 keys `stride` apart.
+// scale * (query . key t) in lane t for count <= 16 tokens of bfloat16 keys `stride` apart; lanes past count -inf.
 template <int Quads>
-inline void score_sixteen_paired(const __m512bh* query, const uint16_t* keys, int64_t stride, int64_t count,
-                                 float scale, float* scores) {
+inline __m512 score_sixteen_paired(const __m512bh* query, const uint16_t* keys, int64_t stride, int64_t count,
+                                   float scale) {
   __m512 sums[16];
-  for (int t = 0; t < 16; ++t) {  // past count, the last token again (its lane is not stored)
+  for (int t = 0; t < 16; ++t) {  // past count, the last token again
     const uint16_t* key = keys + std::min<int64_t>(t, count - 1) * stride;
     sums[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[0], (__m512bh)_mm512_loadu_si512(key));
     for (int i = 1; i < 2 * Quads; ++i)
       sums[t] = _mm512_dpbf16_ps(sums[t], query[i], (__m512bh)_mm512_loadu_si512(key + 32 * i));
   }
   const __mmask16 lanes = count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
-  _mm512_mask_storeu_ps(scores, lanes, _mm512_mul_ps(sum_sixteen(sums), _mm512_set1_ps(scale)));
+  return _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), lanes, sum_sixteen(sums), _mm512_set1_ps(scale));
 }
 
 // acc[0:dim] = acc * rescale + sum over t of weight t * value t, the weights as bfloat16 pairs of adjacent tokens
@@ -959,11 +959,10 @@ void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, co
                      int64_t length, float scale, Scratch& s, float* maxes, float* sums, float* acc, int64_t skip) {
   constexpr int64_t dim = 64 * Quads;
   const int64_t block = pool.block, stride = pool.token_stride, heads = pool.heads;
-  float* scores = s.scores.data();
   uint16_t* keys = s.narrow_keys.data();
   uint16_t* pairs = s.value_pairs.data();
   uint16_t* high = s.weight_pairs.data();
-  uint16_t* low = high + block + 16;
+  uint16_t* low = high + 16;
   for (int64_t b = 0; b * block < length; ++b) {
     const int64_t first = std::max(b * block, skip);
     const int64_t count = std::min((b + 1) * block, length) - first;
@@ -979,32 +978,27 @@ void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, co
       for (int64_t r = 0; r < n; ++r) {
         const int64_t state = h * n + r;
         __m512bh row[2 * Quads];
-        for (int i = 0; i < 2 * Quads; ++i)
-          row[i] = (__m512bh)_mm512_loadu_si512(query + state * dim + 32 * i);
-        float* score = scores + state * block;
-        for (int64_t t = 0; t < count; t += 16)
-          score_sixteen_paired<Quads>(row, keys + t * stride + h * dim, stride, std::min<int64_t>(16, count - t),
-                                      scale, score + t);
-        __m512 largest = _mm512_set1_ps(maxes[state]);
+        for (int i = 0; i < 2 * Quads; ++i) row[i] = (__m512bh)_mm512_loadu_si512(query + state * dim + 32 * i);
+        // 16 tokens at a time, their scores and weights in registers: stored and loaded again (masked stores, which
+        // do not forward to loads) they stalled the walk
         for (int64_t t = 0; t < count; t += 16) {
-          const __mmask16 lanes = count - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - t)) - 1);
-          largest = _mm512_max_ps(largest, _mm512_mask_loadu_ps(largest, lanes, score + t));
-        }
-        const float running = _mm512_reduce_max_ps(largest);
-        const float rescale = exp_nonpositive(maxes[state] - running);
-        maxes[state] = running;
-        sums[state] = sums[state] * rescale + exponentiate(score, count, running);
-        for (int64_t t = 0; t < count; t += 16) {  // each weight as bfloat16 high + low; past count, zeros
-          const __mmask16 lanes = count - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - t)) - 1);
-          const __m512 weight = _mm512_maskz_loadu_ps(lanes, score + t);
-          const __m256bh upper = _mm512_cvtneps_pbh(weight);
+          const int64_t tokens = std::min<int64_t>(16, count - t);
+          const __m512 score = score_sixteen_paired<Quads>(row, keys + t * stride + h * dim, stride, tokens, scale);
+          const float running = std::max(maxes[state], _mm512_reduce_max_ps(score));
+          const float rescale = exp_nonpositive(maxes[state] - running);
+          maxes[state] = running;
+          // exp(-inf - running) is exp_nonpositive's floor, 2^-126, not 0: the lanes past count are cleared
+          const __mmask16 lanes = tokens >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << tokens) - 1);
+          const __m512 weight = _mm512_maskz_mov_ps(lanes, exp_nonpositive(_mm512_sub_ps(score, _mm512_set1_ps(running))));
+          sums[state] = sums[state] * rescale + _mm512_reduce_add_ps(weight);
+          const __m256bh upper = _mm512_cvtneps_pbh(weight);  // each weight as bfloat16 high + low
           const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)upper), 16));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + t), (__m256i)upper);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + t),
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(high), (__m256i)upper);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(low),
                               (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(weight, widened)));
+          accumulate_paired<Quads>(reinterpret_cast<const uint32_t*>(high), reinterpret_cast<const uint32_t*>(low),
+                                   pairs + 2 * (t * stride + h * dim), stride, tokens, rescale, acc + state * dim);
         }
-        accumulate_paired<Quads>(reinterpret_cast<const uint32_t*>(high), reinterpret_cast<const uint32_t*>(low),
-                                 pairs + 2 * h * dim, stride, count, rescale, acc + state * dim);
       }
     }
   }
@@ -1151,7 +1145,7 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
     if (kPairs && kFp8<Cache>) s.narrow_keys.resize(block * pool.token_stride);
     if (kPairedFew && kFp8<Cache>) {
       s.value_pairs.resize((block + 1) / 2 * 2 * pool.token_stride);
-      s.weight_pairs.resize(2 * (block + 16));
+      s.weight_pairs.resize(32);
       s.query_pairs.resize(kv_heads * padded * dim);
     }
     std::vector<float> state(kv_heads * padded * (2 + dim));
