@@ -61,6 +61,43 @@ def test_the_cpp_store_rounds_every_tie_and_saturates_as_the_torch_store(dtype, 
     assert torch.equal(to_cache(codes, dtype).float()[:100], codes[:100])
 
 
+def every_bit_pattern(source: torch.dtype) -> torch.Tensor:
+    """bfloat16: all 65,536 bit patterns (NaNs, infinities, subnormals); float32: 2^18 random bit patterns, 2^18 with
+    exponents around the FP8 range (2^-27 to 2^18, each mantissa bit random), and the same negated."""
+    if source == torch.bfloat16:
+        return torch.arange(-2**15, 2**15, dtype=torch.int16).view(torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    anything = torch.randint(-2**31, 2**31, (2**18,), generator=generator, dtype=torch.int64).to(torch.int32)
+    mantissas = torch.randint(0, 2**23, (2**18,), generator=generator, dtype=torch.int32)
+    exponents = torch.randint(100, 146, (2**18,), generator=generator, dtype=torch.int32)
+    near = (exponents << 23 | mantissas).view(torch.float32)
+    return torch.cat([anything.view(torch.float32), near, -near])
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=IDS)
+@pytest.mark.parametrize(("source", "width"), [(torch.float32, 24), (torch.bfloat16, 64)])
+def test_the_cpp_store_gives_the_torch_casts_byte_for_every_bfloat16_and_786432_float32_patterns(
+        dtype, source, width):
+    # infinities and the rest saturated, ties to even, 16 lanes at a time (rows of 24 end in an 8-lane tail); a NaN
+    # gives the NaN code 0x7F with its sign, where torch's sign depends on its own vector path (a lone bfloat16 NaN
+    # 0x7FC0 casts to 0x7F, the same in a tensor of 65,536 to 0xFF), so NaNs compare without their sign
+    values = every_bit_pattern(source).view(-1, 1, width)
+    slots = torch.arange(len(values))
+    cpp, reference = ([torch.zeros(len(values), 1, 1, width, dtype=dtype) for _ in range(2)] for _ in range(2))
+    native = native_elementwise.load()
+    assert native is not None, "the C++ store must build here"
+    native.store_kv(values, -values, *cpp, slots)
+    torch_elementwise.store_kv(values, -values, *reference, slots)
+    nan = values.flatten().isnan()
+    assert nan.sum() >= 254 and (~nan).sum() >= 65_000
+    for got, want, signed in zip(cpp, reference, (values, -values)):
+        got, want = got.view(torch.uint8).flatten(), want.view(torch.uint8).flatten()
+        assert torch.equal(got[~nan], want[~nan])
+        assert bool((got[nan] & 0x7F == 0x7F).all()) and bool((want[nan] & 0x7F == 0x7F).all())
+        assert torch.equal(got[nan] >> 7, signed.flatten()[nan].view(torch.int16 if source == torch.bfloat16
+                                                                     else torch.int32).lt(0).to(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", FP8, ids=IDS)
 @pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
 def test_the_triton_store_rounds_every_tie_and_saturates_as_the_torch_store(dtype, source):

@@ -4,6 +4,7 @@ the same best choice, and how long greedy answers stay the same.
     python benchmarks/cpu/fp8_kv.py                          # fp8 (e4m3) against auto, model.dtype=auto
     python benchmarks/cpu/fp8_kv.py --kv-cache-dtype fp8_e5m2 --prompts 16 --tokens 64
     python benchmarks/cpu/fp8_kv.py --walks --threads 1      # the C++ decode walks' time over each pool dtype
+    python benchmarks/cpu/fp8_kv.py --walks --baseline REV   # ... and the same walks at REV's kernel, in turn
 
 Score rows: the shipped sample's 48 prompts (data_samples/prompts.parquet), each scored twice, against the four
 documents' subjects (" Paris", " honey bees", " Mount Etna", " the James Webb Space Telescope") and against four
@@ -13,13 +14,15 @@ one-sentence answers, 96 rows of 4 choices. Greedy rows: the first `--prompts` s
 `--walks`: a decode step's attention for 30 layers (30 distinct pools, read from memory as a real step reads them)
 in the C++ kernel, bfloat16 queries over bfloat16, e4m3 and e5m2 pools of the same values, the three timed in turn
 and the best of 7 rounds kept, so a busy machine slows them alike (benchmarks/cpu/cpu_ops.py's decode batches,
-SmolLM2's shapes). Milliseconds, and each FP8 pool's time over bfloat16's.
+SmolLM2's shapes). Milliseconds, and each FP8 pool's time over bfloat16's. `--baseline REV` builds REV's
+paged_decode.cpp here with the same flags (benchmarks/cpu/walk_builds.py) and times its walks in the same turns.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,35 +47,54 @@ WALK_CASES = [(9, 9, 448, 48, "9 groups of 9 decodes over 448 shared tokens, 48 
               (81, 1, 16, 112, "81 lone decodes of 128 tokens"), (80, 1, 496, 16, "80 lone decodes of 512 tokens")]
 
 
-def walks(threads: int) -> None:
+def walks(threads: int, baseline: str | None) -> None:
+    import tempfile
+
     import torch
 
     sys.path.insert(0, str(REPO / "benchmarks" / "cpu"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     from cpu_ops import HEADS, decode_batch
+    from walk_builds import SOURCE, built_ops
+    from workloads import cpu_model
 
     from batchprefill.kernels.fp8_kv import to_cache
+    from batchprefill.kernels.native import build as native
     from batchprefill.kernels.torch.ops import TorchOps
 
     torch.set_num_threads(threads)
-    ops = TorchOps()
+    folder = tempfile.TemporaryDirectory()
+    builds = {"this checkout": TorchOps()}
+    if baseline:  # the baseline revision's kernel built here with the same flags, timed in turn with this one's
+        source = Path(folder.name) / "baseline.cpp"
+        source.write_bytes(subprocess.run(["git", "show", f"{baseline}:{SOURCE}"], check=True, capture_output=True,
+                                          cwd=REPO).stdout)
+        builds = {baseline: built_ops(source, Path(folder.name) / "baseline.so", []),
+                  "this checkout": built_ops(native.SOURCES / "paged_decode.cpp", Path(folder.name) / "this.so", [])}
     dtypes = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-    print("| case | bfloat16 ms | e4m3 ms | e5m2 ms | e4m3 / bfloat16 | e5m2 / bfloat16 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print(f"CPU: {cpu_model()}; {threads} thread(s); ms a step of 30 layers, best of 7")
+    print("| case | build | bfloat16 ms | e4m3 ms | e5m2 ms | e4m3 / bfloat16 | e5m2 / bfloat16 |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for groups, members, prefix, own, name in WALK_CASES:
         query, keys, values, meta = decode_batch(groups=groups, members=members, prefix=prefix, own=own)
         query = query.bfloat16()
         pools = {dtype: [(to_cache(keys + 0.01 * i, dtype), to_cache(values - 0.01 * i, dtype)) for i in range(30)]
                  for dtype in dtypes}
-        plans = {dtype: ops.plan(meta, layers[0][0], HEADS, query.dtype) for dtype, layers in pools.items()}
-        best = dict.fromkeys(dtypes, float("inf"))
+        plans = {(label, dtype): ops.plan(meta, layers[0][0], HEADS, query.dtype)
+                 for label, ops in builds.items() for dtype, layers in pools.items()}
+        best = dict.fromkeys(plans, float("inf"))
         for _ in range(7):
-            for dtype, layers in pools.items():
-                start = time.perf_counter()
-                for k_cache, v_cache in layers:
-                    ops.attention(query, k_cache, v_cache, plans[dtype], 0.125)
-                best[dtype] = min(best[dtype], time.perf_counter() - start)
-        ms = [1e3 * best[dtype] for dtype in dtypes]
-        print(f"| {name} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {ms[1] / ms[0]:.2f} | {ms[2] / ms[0]:.2f} |")
+            for label, ops in builds.items():
+                for dtype, layers in pools.items():
+                    start = time.perf_counter()
+                    for k_cache, v_cache in layers:
+                        ops.attention(query, k_cache, v_cache, plans[label, dtype], 0.125)
+                    best[label, dtype] = min(best[label, dtype], time.perf_counter() - start)
+        for label in builds:
+            ms = [1e3 * best[label, dtype] for dtype in dtypes]
+            print(f"| {name} | {label} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {ms[1] / ms[0]:.2f} "
+                  f"| {ms[2] / ms[0]:.2f} |")
+    folder.cleanup()
 
 
 def main() -> None:
@@ -84,9 +106,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--walks", action="store_true", help="time the C++ decode walks instead")
     parser.add_argument("--threads", type=int, default=1, help="with --walks")
+    parser.add_argument("--baseline", help="with --walks: also time this git revision's kernel, built here, in turn")
     args = parser.parse_args()
     if args.walks:
-        walks(args.threads)
+        walks(args.threads, args.baseline)
         return
     scored = score_rows()
     greedy = pl.read_parquet(REPO / "data_samples" / "prompts.parquet").filter(

@@ -48,7 +48,8 @@ inline uint8_t to_fp8(float x) {
   std::memcpy(&bits, &x, 4);
   const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
   bits &= 0x7FFFFFFFu;
-  if (bits >= kLargest) return sign | kLargestCode;  // NaN too: a pool never holds one
+  if (bits > 0x7F800000u) return sign | 0x7F;  // NaN: torch's cast gives both formats' NaN code, signed
+  if (bits >= kLargest) return sign | kLargestCode;
   if (bits < static_cast<uint32_t>(128 - kBias) << 23) {  // below the smallest normal, 2^(1 - bias)
     float magnitude;
     std::memcpy(&magnitude, &bits, 4);
@@ -186,14 +187,54 @@ void add_rms_norm<uint16_t>(const uint16_t* x, int64_t x_stride, const uint16_t*
 
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+
+// to_fp8 on 16 lanes, the same steps: the normal rounding on the bits, the subnormal one by VCVTPS2DQ (to nearest
+// even, as nearbyint) of the value times 2^(bias - 1 + mantissa), then saturation and NaN chosen by masks.
+template <int Mantissa>
+inline __m128i to_fp8(__m512 x) {
+  constexpr int kBias = Mantissa == 3 ? 7 : 15;
+  constexpr int32_t kLargest = Mantissa == 3 ? 0x43E00000 : 0x47600000;
+  constexpr int32_t kLargestCode = Mantissa == 3 ? 0x7E : 0x7B;
+  constexpr int kDropped = 23 - Mantissa;
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+  const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(magnitude, kDropped), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(magnitude, _mm512_set1_epi32((1 << (kDropped - 1)) - 1)), odd);
+  __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(rounded, kDropped), _mm512_set1_epi32((127 - kBias) << Mantissa));
+  const __m512 steps = _mm512_mul_ps(_mm512_castsi512_ps(magnitude),
+                                     _mm512_castsi512_ps(_mm512_set1_epi32((127 + kBias - 1 + Mantissa) << 23)));
+  code = _mm512_mask_mov_epi32(code, _mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32((128 - kBias) << 23)),
+                               _mm512_cvtps_epi32(steps));
+  code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epi32_mask(magnitude, _mm512_set1_epi32(kLargest)),
+                               _mm512_set1_epi32(kLargestCode));
+  code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(0x7F800000)),
+                               _mm512_set1_epi32(0x7F));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
+}
+#endif
+
 // store_kv into an FP8 pool: each token's `width` elements of key and value (float32 or bfloat16 rows, `stride`
-// elements apart) rounded to FP8 (`e5m2` 0: e4m3fn) at their slots; a negative slot is skipped.
+// elements apart) rounded to FP8 (`e5m2` 0: e4m3fn) at their slots; a negative slot is skipped. With AVX-512, 16
+// elements at a time: the scalar rounding took 2.4 ms of a bfloat16 decode step at 80 decodes (SmolLM2-135M, 30
+// layers, AMD EPYC Zen 4), against 1.0 for the bfloat16 store's copies.
 template <typename Source, int Mantissa>
 void store_fp8_rows(const Source* key, int64_t key_stride, const Source* value, int64_t value_stride,
                     const int64_t* slots, int64_t tokens, int64_t width, uint8_t* k_cache, uint8_t* v_cache) {
   for (int64_t t = 0; t < tokens; ++t) {
     if (slots[t] < 0) continue;
-    for (int64_t i = 0; i < width; ++i) {
+    int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    for (; i < width; i += 16) {
+      const __mmask16 m = lanes(width - i);
+      _mm_mask_storeu_epi8(k_cache + slots[t] * width + i, m, to_fp8<Mantissa>(load16(key + t * key_stride + i, m)));
+      _mm_mask_storeu_epi8(v_cache + slots[t] * width + i, m,
+                           to_fp8<Mantissa>(load16(value + t * value_stride + i, m)));
+    }
+#endif
+    for (; i < width; ++i) {
       k_cache[slots[t] * width + i] = to_fp8<Mantissa>(widen(key[t * key_stride + i]));
       v_cache[slots[t] * width + i] = to_fp8<Mantissa>(widen(value[t * value_stride + i]));
     }

@@ -87,12 +87,103 @@ inline float half_to_float(uint16_t half) {
   return value;
 }
 
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+// FP8 to bfloat16 in registers, 64 codes at a time, by byte tables (AVX-512 VBMI: AMD Zen 4, Intel since Ice Lake):
+// every e4m3 and e5m2 value is a bfloat16 exactly (3 and 2 mantissa bits, exponents within bfloat16's), so a code's
+// seven magnitude bits look up its bfloat16's high and low bytes in two 128-entry tables (VPERMI2B over two
+// registers each), the sign bit is copied into the high byte, and the bytes interleave into words: five
+// instructions for 64 codes, where the F16C widening below takes 28 and a float32 buffer. The interleave
+// (VPUNPCK*BW) works within 128-bit lanes, so the codes are first permuted into the order that leaves the words in
+// place (kBfloat16Order), or straight from two tokens into pairs of adjacent tokens' values (kPairOrder).
+constexpr bool kByteTables = true;
+
+struct Fp8Tables {
+  __m512i high[2], low[2];
+};
+
+template <typename Fp8>
+inline Fp8Tables make_fp8_tables() {
+  constexpr float kFactor = std::is_same_v<Fp8, E4M3> ? 256.0f : 1.0f;
+  alignas(64) uint8_t high[128], low[128];
+  for (int code = 0; code < 128; ++code) {
+    const float value = half_to_float(half_bits(Fp8{static_cast<uint8_t>(code)})) * kFactor;
+    uint32_t bits;
+    std::memcpy(&bits, &value, 4);
+    // e4m3fn has no infinity: its code 0x7F is its NaN (half_bits reads it as 480)
+    const uint16_t bfloat16 = std::is_same_v<Fp8, E4M3> && code == 0x7F ? 0x7FC0 : static_cast<uint16_t>(bits >> 16);
+    high[code] = static_cast<uint8_t>(bfloat16 >> 8);
+    low[code] = static_cast<uint8_t>(bfloat16 & 0xFF);
+  }
+  return {{_mm512_load_si512(high), _mm512_load_si512(high + 64)}, {_mm512_load_si512(low), _mm512_load_si512(low + 64)}};
+}
+
+template <typename Fp8>
+inline const Fp8Tables& fp8_tables() {
+  static const Fp8Tables tables = make_fp8_tables<Fp8>();
+  return tables;
+}
+
+// Byte permutations (indices for VPERMB / VPERMI2B), each built from where a byte lands: the interleave puts the
+// code at byte 16 L + 8 h + k (lane L, half h) at word 8 L + k of output h.
+struct CodeOrders {
+  __m512i bfloat16, float32, pair_low, pair_high;
+};
+
+inline CodeOrders make_code_orders() {
+  alignas(64) uint8_t bfloat16[64], float32[64], pair_low[64], pair_high[64];
+  for (int p = 0; p < 64; ++p) {
+    const int lane = p / 16, half = (p / 8) % 2, k = p % 8;
+    const int word = 32 * half + 8 * lane + k;  // the word of the two outputs this byte becomes
+    bfloat16[p] = static_cast<uint8_t>(word);
+    // widened further to float32 by interleaving each word output with zeros (words 4 m + j of a lane: output m)
+    float32[p] = static_cast<uint8_t>(16 * ((p / 4) % 4) + 4 * lane + p % 4);
+    // pairs: word 2 d + i is dimension d of token i (bit 6 picks the second token's register)
+    pair_low[p] = static_cast<uint8_t>(64 * (word % 2) + word / 2);
+    pair_high[p] = static_cast<uint8_t>(64 * (word % 2) + 32 + word / 2);
+  }
+  return {_mm512_load_si512(bfloat16), _mm512_load_si512(float32), _mm512_load_si512(pair_low),
+          _mm512_load_si512(pair_high)};
+}
+
+inline const CodeOrders& code_orders() {
+  static const CodeOrders orders = make_code_orders();
+  return orders;
+}
+
+// 64 codes, already permuted, as 64 bfloat16 values in two registers.
+struct Bfloat16s {
+  __m512i low, high;
+};
+
+inline Bfloat16s fp8_to_bfloat16(__m512i codes, const Fp8Tables& tables) {
+  const __m512i looked_up = _mm512_permutex2var_epi8(tables.high[0], codes, tables.high[1]);
+  const __m512i high = _mm512_ternarylogic_epi32(looked_up, codes, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
+  const __m512i low = _mm512_permutex2var_epi8(tables.low[0], codes, tables.low[1]);
+  return {_mm512_unpacklo_epi8(low, high), _mm512_unpackhi_epi8(low, high)};
+}
+#else
+constexpr bool kByteTables = false;
+#endif
+
 template <typename Fp8>
 inline void widen_fp8(const Fp8* source, float* target, int64_t count) {
   constexpr bool kE4M3 = std::is_same_v<Fp8, E4M3>;
   constexpr float kFactor = kE4M3 ? 256.0f : 1.0f;
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(source);
   int64_t i = 0;
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  {  // by the byte tables, then each bfloat16 word as a float32's high half: 10 instructions for 64 codes
+    const Fp8Tables& tables = fp8_tables<Fp8>();
+    const __m512i order = code_orders().float32, zero = _mm512_setzero_si512();
+    for (; i + 64 <= count; i += 64) {
+      const auto [low, high] = fp8_to_bfloat16(_mm512_permutexvar_epi8(order, _mm512_loadu_si512(bytes + i)), tables);
+      _mm512_storeu_si512(target + i, _mm512_unpacklo_epi16(zero, low));
+      _mm512_storeu_si512(target + i + 16, _mm512_unpackhi_epi16(zero, low));
+      _mm512_storeu_si512(target + i + 32, _mm512_unpacklo_epi16(zero, high));
+      _mm512_storeu_si512(target + i + 48, _mm512_unpackhi_epi16(zero, high));
+    }
+  }
+#endif
 #if defined(__AVX512F__)
   const __m512 factor = _mm512_set1_ps(kFactor);
   for (; i + 16 <= count; i += 16) {
@@ -132,11 +223,21 @@ constexpr bool kFp8 = std::is_same_v<Cache, E4M3> || std::is_same_v<Cache, E5M2>
 // exactly (3 and 2 mantissa bits, exponents within bfloat16's), so the upper half of its float32 is the value.
 template <typename Fp8>
 inline void narrow_to_bfloat16(const Fp8* source, uint16_t* target, float* widened, int64_t count) {
-  widen_fp8(source, widened, count);
-  for (int64_t i = 0; i < count; ++i) {
+  int64_t i = 0;
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  const Fp8Tables& tables = fp8_tables<Fp8>();
+  const __m512i order = code_orders().bfloat16;
+  for (; i + 64 <= count; i += 64) {
+    const auto [low, high] = fp8_to_bfloat16(_mm512_permutexvar_epi8(order, _mm512_loadu_si512(source + i)), tables);
+    _mm512_storeu_si512(target + i, low);
+    _mm512_storeu_si512(target + i + 32, high);
+  }
+#endif
+  widen_fp8(source + i, widened, count - i);
+  for (int64_t j = 0; j < count - i; ++j) {
     uint32_t bits;
-    std::memcpy(&bits, widened + i, 4);
-    target[i] = static_cast<uint16_t>(bits >> 16);
+    std::memcpy(&bits, widened + j, 4);
+    target[i + j] = static_cast<uint16_t>(bits >> 16);
   }
 }
 
@@ -186,6 +287,9 @@ struct Scratch {
   std::vector<float> keys, values, scores, rescales, rows, transposed;
   std::vector<uint32_t> pairs;  // a set's queries as bfloat16 pairs, [heads][dim / 2][padded rows] (walk_many)
   std::vector<uint16_t> narrow_keys;  // an FP8 block's keys as bfloat16, for the pair products
+  // walk_few_paired: a block's values as bfloat16 pairs of tokens, the weights' high and low bfloat16 halves, the
+  // query rows as bfloat16
+  std::vector<uint16_t> value_pairs, weight_pairs, query_pairs;
 };
 
 inline float dot_plain(const float* a, const float* b, int64_t dim) {
@@ -755,6 +859,201 @@ void walk_few(const float* query, int64_t n, const Pool<Cache>& pool, const int6
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+// walk_few over an FP8 pool for bfloat16 queries, as bfloat16 pair products (VDPBF16PS): each block's keys converted
+// by the byte tables to bfloat16 (a block at a time, into an L1 buffer the rows share), its values to pairs of
+// adjacent tokens' bfloat16 values, so one instruction takes 32 products where walk_few spends an FMA on 16 and
+// first widens every code to float32 by F16C. Products of two bfloat16 are exact in float32 and summed in float32,
+// as score_tiles_paired's. Scores: each row against 16 tokens in 16 registers, reduced together by a transposing tree
+// (45 instructions for 16 dot products, where dot_rows spends about 20 on 4); values: each weight split into two
+// bfloat16, high and low (w - high), so the weights carry 16 bits of mantissa (relative error about 2^-17, where
+// one bfloat16 weight, as the tile walks and GPU flash attention take, would carry 2^-9). Head sizes 64, 128 and
+// 256 (Quads = dim / 64); not under batch invariance (walk_few's order is that mode's contract).
+constexpr bool kPairedFew = true;
+
+// 16 vectors' lane sums, lane i the sum of p[i]: sixteen become eight by adding 256-bit halves, then four by 128-bit
+// lanes, two by pairs of floats, one by floats, each step interleaving two inputs (so the inputs go in transposed).
+inline __m512 sum_sixteen(const __m512* p) {
+  __m512 in[16], halves[8], quarters[4], pairs[2];
+  for (int m = 0; m < 16; ++m) in[m] = p[4 * (m % 4) + m / 4];
+  for (int i = 0; i < 8; ++i)
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(in[2 * i], in[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(in[2 * i], in[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(quarters[2 * i], quarters[2 * i + 1]),
+                             _mm512_unpackhi_ps(quarters[2 * i], quarters[2 * i + 1]));
+  const __m512d a = _mm512_castps_pd(pairs[0]), b = _mm512_castps_pd(pairs[1]);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+
+// scale * (query . key t) in lane t for count <= 16 tokens of bfloat16 keys `stride` apart; lanes past count -inf.
+template <int Quads>
+inline __m512 score_sixteen_paired(const __m512bh* query, const uint16_t* keys, int64_t stride, int64_t count,
+                                   float scale) {
+  __m512 sums[16];
+  for (int t = 0; t < 16; ++t) {  // past count, the last token again
+    const uint16_t* key = keys + std::min<int64_t>(t, count - 1) * stride;
+    sums[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[0], (__m512bh)_mm512_loadu_si512(key));
+    for (int i = 1; i < 2 * Quads; ++i)
+      sums[t] = _mm512_dpbf16_ps(sums[t], query[i], (__m512bh)_mm512_loadu_si512(key + 32 * i));
+  }
+  const __mmask16 lanes = count >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+  return _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), lanes, sum_sixteen(sums), _mm512_set1_ps(scale));
+}
+
+// acc[0:dim] = acc * rescale + sum over t of weight t * value t, the weights as bfloat16 pairs of adjacent tokens
+// (`high`, `low` [count rounded up to even]), the values as pairs [token pair][stride][2] (`pairs` at this head).
+template <int Quads>
+inline void accumulate_paired(const uint32_t* high, const uint32_t* low, const uint16_t* pairs, int64_t stride,
+                              int64_t count, float rescale, float* acc) {
+  const __m512 factor = _mm512_set1_ps(rescale);
+  for (int q = 0; q < Quads; ++q) {
+    __m512 upper[4], lower[4];
+    for (int c = 0; c < 4; ++c) {
+      upper[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 64 * q + 16 * c), factor);
+      lower[c] = _mm512_setzero_ps();
+    }
+    for (int64_t p = 0; p < (count + 1) / 2; ++p) {
+      const __m512bh h = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(high[p]));
+      const __m512bh l = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(low[p]));
+      const uint16_t* values = pairs + 2 * (p * stride + 64 * q);
+      for (int c = 0; c < 4; ++c) {
+        const __m512bh value = (__m512bh)_mm512_loadu_si512(values + 32 * c);
+        upper[c] = _mm512_dpbf16_ps(upper[c], value, h);
+        lower[c] = _mm512_dpbf16_ps(lower[c], value, l);
+      }
+    }
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + 64 * q + 16 * c, _mm512_add_ps(upper[c], lower[c]));
+  }
+}
+
+// `count` tokens' values (`stride` codes each, contiguous) as pairs of adjacent tokens, [count / 2][stride][2]
+// bfloat16; an odd count pairs its last token with itself (its partner's weight is zero).
+template <typename Fp8>
+inline void pair_values(const Fp8* values, int64_t stride, int64_t count, uint16_t* pairs) {
+  const Fp8Tables& tables = fp8_tables<Fp8>();
+  const CodeOrders& orders = code_orders();
+  for (int64_t p = 0; p < (count + 1) / 2; ++p) {
+    const Fp8* first = values + 2 * p * stride;
+    const Fp8* second = first + (2 * p + 1 < count ? stride : 0);
+    for (int64_t i = 0; i < stride; i += 64) {
+      const __m512i a = _mm512_loadu_si512(first + i), b = _mm512_loadu_si512(second + i);
+      uint16_t* target = pairs + 2 * (p * stride + i);
+      const auto [w0, w1] = fp8_to_bfloat16(_mm512_permutex2var_epi8(a, orders.pair_low, b), tables);
+      const auto [w2, w3] = fp8_to_bfloat16(_mm512_permutex2var_epi8(a, orders.pair_high, b), tables);
+      _mm512_storeu_si512(target, w0);
+      _mm512_storeu_si512(target + 32, w1);
+      _mm512_storeu_si512(target + 64, w2);
+      _mm512_storeu_si512(target + 96, w3);
+    }
+  }
+}
+
+// walk_few's walk (same arguments and state) with `query` [heads][n][dim] bfloat16, unscaled; `scale` is applied to
+// the scores.
+template <int Quads, typename Fp8>
+void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, const int64_t* blocks,
+                     int64_t length, float scale, Scratch& s, float* maxes, float* sums, float* acc, int64_t skip) {
+  constexpr int64_t dim = 64 * Quads;
+  const int64_t block = pool.block, stride = pool.token_stride, heads = pool.heads;
+  uint16_t* keys = s.narrow_keys.data();
+  uint16_t* pairs = s.value_pairs.data();
+  uint16_t* high = s.weight_pairs.data();
+  uint16_t* low = high + 16;
+  for (int64_t b = 0; b * block < length; ++b) {
+    const int64_t first = std::max(b * block, skip);
+    const int64_t count = std::min((b + 1) * block, length) - first;
+    if (count <= 0) continue;
+    const int64_t offset = blocks[b] * pool.block_stride + (first - b * block) * stride;
+    narrow_to_bfloat16(pool.k_cache + offset, keys, s.keys.data(), count * stride);
+    pair_values(pool.v_cache + offset, stride, count, pairs);
+    // the next block requested a head's share at a time: all of it at once stalled on the outstanding misses
+    const int64_t ahead = (b + 1) * block < length ? std::min(block, length - (b + 1) * block) * stride : 0;
+    for (int64_t h = 0; h < heads; ++h) {
+      if (ahead > 0)
+        prefetch(pool.k_cache, pool.v_cache, blocks[b + 1] * pool.block_stride + h * ahead / heads, ahead / heads);
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t state = h * n + r;
+        __m512bh row[2 * Quads];
+        for (int i = 0; i < 2 * Quads; ++i) row[i] = (__m512bh)_mm512_loadu_si512(query + state * dim + 32 * i);
+        // 16 tokens at a time, their scores and weights in registers: stored and loaded again (masked stores, which
+        // do not forward to loads) they stalled the walk
+        for (int64_t t = 0; t < count; t += 16) {
+          const int64_t tokens = std::min<int64_t>(16, count - t);
+          const __m512 score = score_sixteen_paired<Quads>(row, keys + t * stride + h * dim, stride, tokens, scale);
+          const float running = std::max(maxes[state], _mm512_reduce_max_ps(score));
+          const float rescale = exp_nonpositive(maxes[state] - running);
+          maxes[state] = running;
+          // exp(-inf - running) is exp_nonpositive's floor, 2^-126, not 0: the lanes past count are cleared
+          const __mmask16 lanes = tokens >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << tokens) - 1);
+          const __m512 weight = _mm512_maskz_mov_ps(lanes, exp_nonpositive(_mm512_sub_ps(score, _mm512_set1_ps(running))));
+          sums[state] = sums[state] * rescale + _mm512_reduce_add_ps(weight);
+          const __m256bh upper = _mm512_cvtneps_pbh(weight);  // each weight as bfloat16 high + low
+          const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)upper), 16));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(high), (__m256i)upper);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(low),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(weight, widened)));
+          accumulate_paired<Quads>(reinterpret_cast<const uint32_t*>(high), reinterpret_cast<const uint32_t*>(low),
+                                   pairs + 2 * (t * stride + h * dim), stride, tokens, rescale, acc + state * dim);
+        }
+      }
+    }
+  }
+}
+
+// `members` rows' query heads ([heads][members x per_kv][dim] from the flat batch's rows) as bfloat16 into `out`;
+// false where a value is not a bfloat16 exactly (a float32 model's queries take walk_few).
+inline bool bfloat16_rows(const float* query, const int64_t* member_rows, int64_t members, int64_t row_stride,
+                          int64_t kv_heads, int64_t per_kv, int64_t dim, uint16_t* out) {
+  const int64_t n = members * per_kv;
+  uint32_t inexact = 0;
+  for (int64_t m = 0; m < members; ++m)
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t i = 0; i < per_kv * dim; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, query + member_rows[m] * row_stride + h * per_kv * dim + i, 4);
+        inexact |= bits & 0xFFFFu;
+        out[(h * n + m * per_kv) * dim + i] = static_cast<uint16_t>(bits >> 16);
+      }
+  return inexact == 0;
+}
+
+// Whether walk_few_paired walks this pool: FP8, heads of 64, 128 or 256.
+template <typename Cache>
+constexpr bool takes_few_paired(int64_t dim) {
+  return kFp8<Cache> && (dim == 64 || dim == 128 || dim == 256);
+}
+
+// walk_few_paired at this pool's head size; true (walked) where takes_few_paired holds.
+template <typename Cache>
+bool walk_few_paired(const uint16_t* query, int64_t n, const Pool<Cache>& pool, const int64_t* blocks, int64_t length,
+                     float scale, Scratch& s, float* maxes, float* sums, float* acc, int64_t skip = 0) {
+  if constexpr (kFp8<Cache>) {
+    switch (pool.dim) {
+      case 64: walk_few_paired<1>(query, n, pool, blocks, length, scale, s, maxes, sums, acc, skip); return true;
+      case 128: walk_few_paired<2>(query, n, pool, blocks, length, scale, s, maxes, sums, acc, skip); return true;
+      case 256: walk_few_paired<4>(query, n, pool, blocks, length, scale, s, maxes, sums, acc, skip); return true;
+    }
+  }
+  return false;
+}
+#else
+constexpr bool kPairedFew = false;
+template <typename Cache>
+constexpr bool takes_few_paired(int64_t) {
+  return false;
+}
+// Declared only: never called where takes_few_paired is false.
+bool bfloat16_rows(const float* query, const int64_t* member_rows, int64_t members, int64_t row_stride,
+                   int64_t kv_heads, int64_t per_kv, int64_t dim, uint16_t* out);
+template <typename Cache>
+bool walk_few_paired(const uint16_t* query, int64_t n, const Pool<Cache>& pool, const int64_t* blocks, int64_t length,
+                     float scale, Scratch& s, float* maxes, float* sums, float* acc, int64_t skip = 0);
+#endif
+
 // From this many rows a set walks its shared prefix vectorized across rows (walk_many).
 constexpr int64_t kManyRows = 16;
 
@@ -831,6 +1130,8 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
   // its output row), and whether it had one.
   std::vector<float> carried(2 * decodes * q_heads);
   std::vector<char> continues(decodes, 0);
+  // whether walk_few's rows may take walk_few_paired (for bfloat16 queries: bfloat16_rows says)
+  const bool paired_few = takes_few_paired<Cache>(dim) && !plan.fixed_order;
 #pragma omp parallel num_threads(threads)
   {
     Scratch s;
@@ -842,6 +1143,11 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
     s.transposed.resize(kv_heads * dim * padded);
     if (kPairs && (std::is_same_v<Cache, uint16_t> || kFp8<Cache>)) s.pairs.resize(kv_heads * (dim / 2) * padded);
     if (kPairs && kFp8<Cache>) s.narrow_keys.resize(block * pool.token_stride);
+    if (kPairedFew && kFp8<Cache>) {
+      s.value_pairs.resize((block + 1) / 2 * 2 * pool.token_stride);
+      s.weight_pairs.resize(32);
+      s.query_pairs.resize(kv_heads * padded * dim);
+    }
     std::vector<float> state(kv_heads * padded * (2 + dim));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t set = 0; set < num_sets; ++set) {
@@ -888,7 +1194,10 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
                   acc);
 #endif
 #endif
-      } else {
+      } else if (!(paired_few && bfloat16_rows(query, rows + first, members, row_stride, kv_heads, per_kv, dim,
+                                               s.query_pairs.data()) &&
+                   walk_few_paired(s.query_pairs.data(), n, pool, plan.shared_blocks + set * plan.shared_width,
+                                   shared, scale, s, maxes, sums, acc))) {
         walk_few<Wide>(query_rows, n, pool, plan.shared_blocks + set * plan.shared_width, shared, s, maxes, sums, acc);
       }
       for (int64_t m = 0; m < members; ++m) {
@@ -920,11 +1229,17 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
         std::fill(sums, sums + q_heads, 0.0f);
         std::fill(target, target + row_stride, 0.0f);
       }
-      float* query_rows = s.rows.data();  // [heads][per_kv][dim]: the flat batch's own layout
-      const float* source = query + rows[decode] * row_stride;
-      for (int64_t i = 0; i < row_stride; ++i) query_rows[i] = scale * source[i];
-      walk_few<Wide>(query_rows, per_kv, pool, plan.own_blocks + decode * plan.own_width, plan.own_lens[decode], s,
-                     maxes, sums, target, plan.own_skips ? plan.own_skips[decode] : 0);
+      const int64_t* own_blocks = plan.own_blocks + decode * plan.own_width;
+      const int64_t skip = plan.own_skips ? plan.own_skips[decode] : 0;
+      if (!(paired_few &&
+            bfloat16_rows(query, rows + decode, 1, row_stride, kv_heads, per_kv, dim, s.query_pairs.data()) &&
+            walk_few_paired(s.query_pairs.data(), per_kv, pool, own_blocks, plan.own_lens[decode], scale, s, maxes,
+                            sums, target, skip))) {
+        float* query_rows = s.rows.data();  // [heads][per_kv][dim]: the flat batch's own layout
+        const float* source = query + rows[decode] * row_stride;
+        for (int64_t i = 0; i < row_stride; ++i) query_rows[i] = scale * source[i];
+        walk_few<Wide>(query_rows, per_kv, pool, own_blocks, plan.own_lens[decode], s, maxes, sums, target, skip);
+      }
       for (int64_t q = 0; q < q_heads; ++q) {
         const float inverse = sums[q] > 0.0f ? 1.0f / sums[q] : 0.0f;  // a row that read no token gets zeros
 #pragma omp simd
