@@ -19,6 +19,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+# The peers' vLLM environment, as benchmarks/peers/setup_peers.sh makes it (git-ignored); --vllm-python elsewhere.
+VLLM_PYTHON = Path(__file__).resolve().parent / ".venv-vllm" / "bin" / "python"
+
 WORDS = """
 the of and to in is that for it as was with be by on not he this are or his from at which but have an they
 you were her she there been one all we their has would when if so no will more can who out about up them

@@ -115,26 +115,41 @@ def loglikelihood(response: list) -> float:
     return float(first[0] if isinstance(first, list) else first)
 
 
-def lm_eval_run(command: list[str], model: str, model_folder: Path, tasks: Path, output: Path) -> dict:
-    done = run_cli([*command, "--model", model, "--model_args", f"pretrained={model_folder},dtype=float32",
-                    "--tasks", ",".join(TASKS), "--include_path", str(tasks), "--output_path", str(output),
-                    "--log_samples", "--device", "cpu", "--batch_size", "4"], timeout=900)
+def lm_eval_run(command: list[str], model: str, model_folder: Path, tasks: Path, output: Path,
+                extra_model_args: str = "", task_names: list[str] = TASKS) -> tuple[dict, str]:
+    """lm-eval's results for `task_names`, and the run's stderr."""
+    done = run_cli([*command, "--model", model, "--model_args", f"pretrained={model_folder},dtype=float32"
+                    + extra_model_args, "--tasks", ",".join(task_names), "--include_path", str(tasks),
+                    "--output_path", str(output), "--log_samples", "--device", "cpu", "--batch_size", "4"],
+                   timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     (path,) = output.rglob("results_*.json")
-    return json.loads(path.read_text())["results"]
+    return json.loads(path.read_text())["results"], done.stderr
 
 
-def test_batchprefill_eval_equals_the_hf_backend_on_three_local_tasks(tasks_and_model, tmp_path):
+BATCHPREFILL_EVAL = [sys.executable, "-m", "batchprefill.cli.eval"]
+
+
+@pytest.fixture(scope="module")
+def float32_kv_run(tasks_and_model, tmp_path_factory) -> tuple[Path, dict, str]:
+    """batchprefill-eval on the three tasks with the model's own float32 KV: (output folder, results, stderr),
+    shared by the test against the hf backend and the FP8 KV test."""
     tasks, model = tasks_and_model
-    ours = lm_eval_run([sys.executable, "-m", "batchprefill.cli.eval"], "batchprefill", model, tasks, tmp_path / "bp")
-    theirs = lm_eval_run([sys.executable, "-m", "lm_eval"], "hf", model, tasks, tmp_path / "hf")
+    output = tmp_path_factory.mktemp("bp-float32-kv")
+    return output, *lm_eval_run(BATCHPREFILL_EVAL, "batchprefill", model, tasks, output)
+
+
+def test_batchprefill_eval_equals_the_hf_backend_on_three_local_tasks(tasks_and_model, float32_kv_run, tmp_path):
+    tasks, model = tasks_and_model
+    ours_folder, ours, _ = float32_kv_run
+    theirs, _ = lm_eval_run([sys.executable, "-m", "lm_eval"], "hf", model, tasks, tmp_path / "hf")
     assert ours["tiny_mc"]["acc,none"] == theirs["tiny_mc"]["acc,none"]
     assert ours["tiny_mc"]["acc_norm,none"] == theirs["tiny_mc"]["acc_norm,none"]
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         assert ours["tiny_ppl"][metric] == pytest.approx(theirs["tiny_ppl"][metric], rel=1e-4)
     assert ours["tiny_gen"]["exact_match,none"] == theirs["tiny_gen"]["exact_match,none"]
     for task in TASKS:  # sample by sample: every log-likelihood within 2e-3, every generation the same text
-        mine, reference = samples(tmp_path / "bp", task), samples(tmp_path / "hf", task)
+        mine, reference = samples(ours_folder, task), samples(tmp_path / "hf", task)
         assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in reference] and mine
         for a, b in zip(mine, reference):
             if task == "tiny_gen":
@@ -142,7 +157,7 @@ def test_batchprefill_eval_equals_the_hf_backend_on_three_local_tasks(tasks_and_
                 continue
             ours_ll, their_ll = (list(map(loglikelihood, s["resps"])) for s in (a, b))
             assert max(abs(x - y) for x, y in zip(ours_ll, their_ll)) < 2e-3, task
-    assert len(samples(tmp_path / "bp", "tiny_ppl")) == 2
+    assert len(samples(ours_folder, "tiny_ppl")) == 2
     assert len(LONG_TEXT) > 2000  # over 500 tokens: three windows of the 256-position model
 
 
@@ -166,3 +181,25 @@ def test_python_api_runs_the_registered_model(tasks_and_model):
     results = lm_eval.simple_evaluate(model=BatchprefillLM(pretrained=str(model), dtype="float32"),
                                       tasks=["tiny_gen"], task_manager=TaskManager(include_path=str(tasks)))
     assert "exact_match,none" in results["results"]["tiny_gen"]
+
+
+def test_engine_kv_cache_dtype_in_model_args_runs_the_multiple_choice_task_on_an_fp8_e5m2_pool(
+        tasks_and_model, float32_kv_run, tmp_path):
+    """`engine.kv_cache_dtype=fp8_e5m2` in --model_args reaches the engine: the run's log names a float8_e5m2 pool,
+    and the 32 log-likelihoods (8 questions x 4 choices) move off the float32 pool's (measured: by 1.1e-4 to 0.012)
+    while every question keeps its best choice, so acc (0.75) and acc_norm (0.5) are the float32 pool's."""
+    tasks, model = tasks_and_model
+    float32_folder, float32_results, float32_log = float32_kv_run
+    results, log = lm_eval_run(BATCHPREFILL_EVAL, "batchprefill", model, tasks, tmp_path / "fp8",
+                               ",engine.kv_cache_dtype=fp8_e5m2", ["tiny_mc"])
+    assert "tokens in float8_e5m2, " in log and "tokens in float32, " in float32_log
+    mine, reference = samples(tmp_path / "fp8", "tiny_mc"), samples(float32_folder, "tiny_mc")
+    assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in reference] == list(range(8))
+    fp8_scores = [list(map(loglikelihood, s["resps"])) for s in mine]
+    float32_scores = [list(map(loglikelihood, s["resps"])) for s in reference]
+    gaps = [abs(a - b) for x, y in zip(fp8_scores, float32_scores) for a, b in zip(x, y)]
+    assert len(gaps) == 32 and 1e-3 < max(gaps) < 0.05  # 8-bit KV rounds: not the float32 pool's exact scores
+    assert [max(range(4), key=row.__getitem__) for row in fp8_scores] == \
+        [max(range(4), key=row.__getitem__) for row in float32_scores]
+    for metric in ("acc,none", "acc_norm,none"):
+        assert results["tiny_mc"][metric] == float32_results["tiny_mc"][metric]

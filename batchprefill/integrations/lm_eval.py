@@ -8,7 +8,9 @@ windows as lm-eval's HF backend and scores each as a context of one token with o
 honours `until`, `max_gen_toks` and greedy or sampled settings. Results come back in lm-eval's order.
 
 Model arguments: `pretrained=PATH` (a model folder or GGUF, as `model.path`), `dtype=...` (`model.dtype`), and
-any batchprefill config key (`engine.block_size=16`, `sampling.seed=1`).
+any batchprefill config key (`engine.block_size=16`, `sampling.seed=1`, `engine.kv_cache_dtype=fp8`). Each request
+kind's closing line on stderr names the KV pool it ran on ("a KV pool of 8,192 tokens in float8_e4m3fn, ..."), so a
+run's log says which KV precision its metrics come from.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from batchprefill.engine.request import Request
 from batchprefill.errors import JobError
 from batchprefill.pipeline.build_engine import engine_on, load_job_model
 from batchprefill.pipeline.prepare import open_model
+from batchprefill.pipeline.run import kv_pool_line
 from batchprefill.sampling_params import SamplingParams
 from batchprefill.settings import CONFIG_DIR, JobSettings
 from batchprefill.tasks.score import ChoiceScores, score_request
@@ -153,5 +156,6 @@ class BatchprefillLM(TemplateLM):
                 yield request
         counters = engine.counters
         print(f"batchprefill-eval: {kind}: {total} requests, {counters.finished_prompt_tokens} prompt tokens, "
-              f"{counters.prefill_tokens} computed, {counters.finished_cached_tokens} from the prefix cache",
+              f"{counters.prefill_tokens} computed, {counters.finished_cached_tokens} from the prefix cache; "
+              f"{kv_pool_line(engine, self.model_config)}",
               file=sys.stderr)

@@ -148,7 +148,8 @@ def run_batchprefill(path: Path, work: Path, label: str, max_tokens: int, pool: 
         "data.input": path, "output.dir": out, "sampling.max_tokens": max_tokens, "sampling.ignore_eos": "true",
         "data.chat_template": "false", "model.dtype": args.dtype, "engine.kv_cache_tokens": pool,
         "engine.num_threads": args.threads, "engine.max_batched_tokens": args.max_batched_tokens,
-        "engine.max_num_seqs": 256, "engine.block_size": 16, "output.progress": "false", **overrides,
+        "engine.max_num_seqs": 256, "engine.block_size": 16, "output.progress": "false",
+        "engine.kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"), **overrides,
     }
     if getattr(args, "model", None):  # other harnesses (lora.py, pooling.py) call this with their own arguments
         settings |= {"model": "hf", "model.path": args.model}
@@ -161,7 +162,8 @@ def run_batchprefill(path: Path, work: Path, label: str, max_tokens: int, pool: 
     steps = pl.read_parquet(out / "stats" / "steps.parquet")
     prefill_run = int(steps["num_prefill_tokens"].sum())
     generate = float(steps["duration_ms"].sum()) / 1e3  # the engine loop alone, like vLLM's generate()
-    return {**result, "engine": "batchprefill", "block_size": 16, "outputs": outputs, "prefill_tokens_run": prefill_run,
+    return {**result, "engine": "batchprefill", "block_size": 16, "kv_cache_dtype": settings["engine.kv_cache_dtype"],
+            "outputs": outputs, "prefill_tokens_run": prefill_run,
             "generate_seconds": generate,
             **{k: job[k] for k in ("wall_seconds", "prompt_tokens", "cached_tokens", "computed_prompt_tokens",
                                    "output_tokens", "output_tokens_per_second", "cache_hit_rate", "evicted_blocks",
@@ -212,7 +214,8 @@ def run_row(workload: wl.Workload, case: dict, label: str, overrides: dict | Non
     elif peer == "vllm":
         row = run_peer("peer_vllm.py", args.vllm_python, path, work, tag,
                        ["--max-tokens", str(workload.max_tokens), "--pool-tokens", str(pool),
-                        "--max-batched-tokens", str(args.max_batched_tokens), "--dtype", args.dtype],
+                        "--max-batched-tokens", str(args.max_batched_tokens), "--dtype", args.dtype,
+                        "--kv-cache-dtype", args.vllm_kv_cache_dtype or args.kv_cache_dtype],
                        env={"OMP_NUM_THREADS": str(args.threads)}, model=args.model)
     else:
         row = run_peer("peer_hf.py", sys.executable, path, work, tag,
@@ -260,8 +263,10 @@ def table(result: dict) -> str:
     lines = []
     for r in result["rows"]:
         block = r["block_size"] or "no cache"
+        kv = r.get("kv_cache_dtype", "auto")  # results written before --kv-cache-dtype have none: the model's dtype
+        label = r["label"] if kv == "auto" else f"{r['label']}, {kv} KV"
         generate = r.get("generate_seconds", r["wall_seconds"])  # peers' wall time is their generate() alone
-        lines.append(f"| {r['label']} | {r['wall_seconds']:.1f} | {generate:.1f} | {r['process_seconds']:.1f} | "
+        lines.append(f"| {label} | {r['wall_seconds']:.1f} | {generate:.1f} | {r['process_seconds']:.1f} | "
                      f"{r['computed_prompt_tokens']} ({block}) | {r['computed_over_ideal']:.3f} | "
                      f"{r['cache_hit_rate']:.1%} | {r['output_tokens_per_second']:.1f} | {r.get('preemptions', '')} | "
                      f"{r['peak_rss_gib']:.2f} | "
@@ -275,12 +280,17 @@ def main() -> None:
                         help="all, orders (batchprefill alone on the shared workload), or a comma list of workloads")
     parser.add_argument("--out", type=Path, help="write every figure as JSON here")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bp-bench"), help="scratch folder")
-    parser.add_argument("--vllm-python", default=str(HERE / ".venv-vllm" / "bin" / "python"))
+    parser.add_argument("--vllm-python", default=str(wl.VLLM_PYTHON))
     parser.add_argument("--hf", default="unshared", help="workloads that also run HF transformers (slow); '' none")
     parser.add_argument("--rows", type=int, help="keep only the first ROWS prompts of each workload (a smoke test)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="both engines' precision (bfloat16 where lscpu shows amx)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="both engines' KV cache (batchprefill's engine.kv_cache_dtype, vLLM's kv_cache_dtype; "
+                        "the names are the same); auto: the model's dtype")
+    parser.add_argument("--vllm-kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="vLLM's own KV cache where it refuses --kv-cache-dtype (default: the same)")
     parser.add_argument("--quiet-wait", type=float, default=QUIET_WAIT, help="seconds; 0 starts each run at once")
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
     parser.add_argument("--report", type=Path, help="only print the tables of a results file written by --out")
@@ -298,7 +308,9 @@ def main() -> None:
     names = ["shared"] if args.only == "orders" else None if args.only == "all" else args.only.split(",")
     folder = wl_folder(args.model)
     meta = {"command": " ".join(sys.argv), "model": str(folder), "threads": args.threads, "cpus": os.cpu_count(),
-            "cpu": wl.cpu_model(), "dtype": args.dtype, "max_batched_tokens": args.max_batched_tokens,
+            "cpu": wl.cpu_model(), "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+            "vllm_kv_cache_dtype": args.vllm_kv_cache_dtype or args.kv_cache_dtype,
+            "max_batched_tokens": args.max_batched_tokens,
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     cases = []
     for workload in wl.all_workloads():

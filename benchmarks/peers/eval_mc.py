@@ -3,13 +3,19 @@ batchprefill-eval, lm-eval's `hf` backend, and vLLM's CPU build called as lm-eva
 
     python benchmarks/peers/eval_mc.py --subjects 8 --questions 64 --out benchmarks/results/eval_mc.json  # 8 x 64 = 512
     python benchmarks/peers/eval_mc.py --subjects 2 --questions 8 --skip-vllm                       # a quick look
+    python benchmarks/peers/eval_mc.py --dtype bfloat16 --kv-cache-dtypes auto,fp8,fp8_e5m2 --skip-hf --skip-vllm
 
-Every engine gets the same model folder (the shipped SmolLM2-135M, float32, CPU) and the same tasks: one lm-eval
+Every engine gets the same model folder (the shipped SmolLM2-135M, `--dtype`, CPU) and the same tasks: one lm-eval
 task per subject, written here as local YAMLs over JSONL (`--include_path`), the first 5 questions of a subject
 its shots (`fewshot_config: sampler: first_n`). vLLM gets the (context, continuation) token ids lm-eval's
 tokenization gives, one request each, `prompt_logprobs=1`, `max_tokens=1`; its own counters say what it cached.
 Prompt tokens: `ideal` is each distinct context once plus every choice's tokens; batchprefill reports what its
 engine computed (a choice's last token needs no KV, and headers are shared across a subject's contexts).
+
+`--kv-cache-dtypes A,B,...`: batchprefill-eval once per KV cache dtype (`engine.kv_cache_dtype` in --model_args), and
+a table of every lm-eval metric per task and over all questions, each KV dtype's beside the first's with the
+difference in points (issue 40's goal: FP8 KV within 1 point of the model dtype's KV), and how many questions keep
+the first's pick (its highest-scoring choice) with the largest change of a log-likelihood (lm-eval's samples).
 """
 
 from __future__ import annotations
@@ -26,8 +32,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-VLLM_PYTHON = REPO / "benchmarks" / ".venv-vllm" / "bin" / "python"
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: workloads
+
+from workloads import VLLM_PYTHON, cpu_model  # noqa: E402
+
 WORDS = ["river", "mountain", "city", "planet", "engine", "number", "colour", "animal", "metal", "forest", "ocean",
          "language", "instrument", "theory", "signal", "market", "vessel", "harvest", "lantern", "border", "mirror",
          "season", "factor", "window", "chapter"]
@@ -75,10 +84,11 @@ def write_tasks(folder: Path, subjects: int, questions: int, seed: int) -> list[
 
 def run_lm_eval(module: str, model: str, model_args: str, tasks: list[str], folder: Path, out: Path,
                 limit: int) -> tuple[float, dict, str]:
+    """lm-eval's process seconds, results and stderr; each request's scores are kept in `out` (--log_samples)."""
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, "-m", module, "--model", model, "--model_args", model_args, "--tasks",
                ",".join(tasks), "--include_path", str(folder), "--output_path", str(out), "--device", "cpu",
-               "--batch_size", "16", "--limit", str(limit)]
+               "--batch_size", "16", "--limit", str(limit), "--log_samples"]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     wall = time.perf_counter() - start
@@ -86,6 +96,43 @@ def run_lm_eval(module: str, model: str, model_args: str, tasks: list[str], fold
         raise SystemExit(f"{module} failed: {done.stderr[-2000:]}")
     (path,) = out.rglob("results_*.json")
     return wall, json.loads(path.read_text())["results"], done.stderr
+
+
+def metrics(results: dict, tasks: list[str]) -> dict[str, dict[str, float]]:
+    """task -> lm-eval metric ("acc,none") -> value, leaving out the standard errors."""
+    return {t: {k: v for k, v in results[t].items() if "," in k and "_stderr" not in k} for t in tasks}
+
+
+def choice_scores(out: Path, tasks: list[str]) -> dict[tuple[str, int], list[float]]:
+    """(task, doc_id) -> each choice's log-likelihood, from lm-eval's samples_<task>_*.jsonl."""
+    scores = {}
+    for task in tasks:
+        (path,) = out.rglob(f"samples_{task}_*.jsonl")
+        for line in path.read_text().splitlines():
+            sample = json.loads(line)
+            scores[task, sample["doc_id"]] = [float(r[0][0]) for r in sample["resps"]]
+    return scores
+
+
+def kv_comparison(runs: dict[str, dict], tasks: list[str]) -> str:
+    """A Markdown table: every metric per task and over all tasks (the mean: every task has as many questions),
+    each KV dtype beside the first with the difference in points, then the picks kept and the largest change."""
+    kinds = list(runs)
+    base = kinds[0]
+    names = sorted({m for t in tasks for m in runs[base]["metrics"][t]})
+    head = " | ".join(f"{kv} | {kv} - {base} (points)" for kv in kinds[1:])
+    lines = [f"| task | metric | {base} | {head} |", "| --- | --- | ---: |" + " ---: | ---: |" * (len(kinds) - 1)]
+    for task in [*tasks, "all"]:
+        for name in names:
+            value = {kv: sum(runs[kv]["metrics"][t][name] for t in tasks) / len(tasks) if task == "all"
+                     else runs[kv]["metrics"][task][name] for kv in kinds}
+            cells = " | ".join(f"{value[kv]:.4f} | {100 * (value[kv] - value[base]):+.2f}" for kv in kinds[1:])
+            lines.append(f"| {task} | {name} | {value[base]:.4f} | {cells} |")
+    for kv in kinds[1:]:
+        same, largest = runs[kv]["same_pick"], runs[kv]["largest_change"]
+        lines.append(f"\n{kv}: {same[0]} of {same[1]} questions keep {base}'s pick ({same[0] / same[1]:.1%}); "
+                     f"the largest change of a log-likelihood is {largest:.4f}")
+    return "\n".join(lines)
 
 
 def loglikelihood_pairs(folder: Path, tasks: list[str], limit: int, model_folder: Path) -> list:
@@ -116,6 +163,9 @@ def main() -> None:
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every engine's")
+    parser.add_argument("--kv-cache-dtypes", default="auto",
+                        help="batchprefill-eval once per engine.kv_cache_dtype (comma list), each against the first")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
@@ -130,14 +180,30 @@ def main() -> None:
     ideal = sum(map(len, contexts)) + sum(len(x) for _, x in pairs)
     report: dict = {"questions": len(pairs) // 4, "requests": len(pairs), "ideal_prompt_tokens": ideal,
                     "prompt_tokens_without_reuse": sum(len(c) + len(x) for c, x in pairs)}
-    model_args = f"pretrained={model_folder},dtype=float32"
-    wall, results, log = run_lm_eval("batchprefill.cli.eval", "batchprefill", model_args, tasks, args.work,
-                                     args.work / "out-bp", limit)
-    computed = int(re.search(r"loglikelihood: \d+ requests, \d+ prompt tokens, (\d+) computed", log).group(1))
-    report["batchprefill"] = {"process_seconds": wall, "computed_prompt_tokens": computed,
-                              "computed_over_ideal": computed / ideal,
-                              "acc": {t: results[t]["acc,none"] for t in tasks}}
-    print(json.dumps(report), file=sys.stderr, flush=True)
+    model_args = f"pretrained={model_folder},dtype={args.dtype}"
+    runs: dict[str, dict] = {}
+    for kv in args.kv_cache_dtypes.split(","):
+        out = args.work / f"out-bp-{kv}"
+        wall, results, log = run_lm_eval("batchprefill.cli.eval", "batchprefill",
+                                         f"{model_args},engine.kv_cache_dtype={kv}", tasks, args.work, out, limit)
+        computed = int(re.search(r"loglikelihood: \d+ requests, \d+ prompt tokens, (\d+) computed", log).group(1))
+        runs[kv] = {"process_seconds": wall, "computed_prompt_tokens": computed,
+                    "computed_over_ideal": computed / ideal,
+                    "kv_pool": re.search(r"a KV pool of [^;\n]*", log).group(0), "metrics": metrics(results, tasks),
+                    "acc": {t: results[t]["acc,none"] for t in tasks}, "scores": choice_scores(out, tasks)}
+        print(f"{kv}: {wall:.1f} s, {runs[kv]['kv_pool']}", file=sys.stderr, flush=True)
+    base = runs[next(iter(runs))].pop("scores")
+    for kv in list(runs)[1:]:
+        scores = runs[kv].pop("scores")
+        picks = [max(range(len(s)), key=s.__getitem__) == max(range(len(s)), key=base[key].__getitem__)
+                 for key, s in scores.items()]
+        runs[kv]["same_pick"] = [sum(picks), len(picks)]
+        runs[kv]["largest_change"] = max(abs(a - b) for key, s in scores.items() for a, b in zip(s, base[key]))
+    report["dtype"], report["cpu"] = args.dtype, cpu_model()
+    report["batchprefill"] = runs[next(iter(runs))]
+    if len(runs) > 1:
+        report["kv_cache_dtypes"] = runs
+        print(kv_comparison(runs, tasks), flush=True)
     if not args.skip_hf:
         wall, results, _ = run_lm_eval("lm_eval", "hf", model_args, tasks, args.work, args.work / "out-hf", limit)
         report["hf"] = {"process_seconds": wall, "acc": {t: results[t]["acc,none"] for t in tasks}}
@@ -146,7 +212,8 @@ def main() -> None:
         requests.write_text(json.dumps(pairs))
         start = time.perf_counter()
         done = subprocess.run([str(args.vllm_python), str(HERE / "peer_vllm_loglik.py"), "--requests", str(requests),
-                               "--model", str(model_folder), "--pool-tokens", "65536"],
+                               "--model", str(model_folder), "--pool-tokens", "65536",
+                               "--dtype", args.dtype],
                               capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"vllm failed: {done.stderr[-2000:]}")

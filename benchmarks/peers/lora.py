@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
-    parser.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
+    parser.add_argument("--vllm-python", default=str(wl.VLLM_PYTHON))
     parser.add_argument("--skip-vllm", action="store_true")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)

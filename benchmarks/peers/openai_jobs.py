@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=512)
     parser.add_argument("--out", type=Path, help="write every figure as JSON here")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bp-openai-jobs"))
-    parser.add_argument("--vllm-python", default=str(HERE / ".venv-vllm" / "bin" / "python"))
+    parser.add_argument("--vllm-python", default=str(wl.VLLM_PYTHON))
     parser.add_argument("--quiet-wait", type=float, default=compare.QUIET_WAIT)
     parser.add_argument("--only", default="chat,labelling")
     args = parser.parse_args()

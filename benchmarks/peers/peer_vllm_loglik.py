@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--pool-tokens", type=int, required=True)
     parser.add_argument("--block-size", type=int, default=32, help="its CPU attention needs a multiple of 32")
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CACHE_ROOT", "/tmp/vllm-cache")
@@ -36,7 +37,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     pairs = json.loads(args.requests.read_text())
-    llm = LLM(model=str(args.model), dtype="float32", enforce_eager=True, seed=0, enable_prefix_caching=True,
+    llm = LLM(model=str(args.model), dtype=args.dtype, enforce_eager=True, seed=0, enable_prefix_caching=True,
               enable_chunked_prefill=True, block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens,
               max_model_len=2048, num_gpu_blocks_override=args.pool_tokens // args.block_size + 1,
               gpu_memory_utilization=0.5, disable_log_stats=False)

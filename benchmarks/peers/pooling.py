@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: wor
 import workloads as wl  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", "/work/venv-vllm/bin/python"))
+VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", wl.VLLM_PYTHON))
 POOL = 65536
 INSTRUCTION = ("Instruct: Given a question about a document, represent the document and the question for "
                "retrieving passages that answer it.\nQuery: ")

@@ -28,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, help="keep only the first ROWS prompts")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bp-bench-samples"))
-    parser.add_argument("--vllm-python", default=str(compare.HERE / ".venv-vllm" / "bin" / "python"))
+    parser.add_argument("--vllm-python", default=str(wl.VLLM_PYTHON))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
     parser.add_argument("--out", type=Path)
