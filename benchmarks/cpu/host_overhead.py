@@ -10,7 +10,8 @@ torch path. Host time per step is the step's wall time minus the time inside the
 layers, attention and the backend's per-step attention plan): everything the engine itself does per step,
 the scheduler, building the runner's metadata, sampling, appending tokens, stop checks, statistics. The
 engine's own breakdown (stats columns schedule_ms, prepare_ms, sample_ms, bookkeeping_ms) is printed where
-the code has it. Steps with at least 200 running sequences are the ones reported.
+the code has it. Steps with at least 200 running sequences are the ones reported; of them, the decode-only steps
+(no prompt token: the step the issue 38 H200 figure is, 2.1 ms of host work at 511 sequences) also alone.
 
 `--seqs N` runs up to N sequences a step with a budget of 8N tokens (256 and 2,048 by default) and reports the
 steps with at least 200N/256 of them. `--stub-forward` replaces the model's forward by a stub that returns a fixed
@@ -167,6 +168,14 @@ def measure(seqs: int, stub: bool) -> dict:
               "forward_ms": round(1e3 * statistics.mean(f for _, f in busy), 2),
               "host_ms": round(statistics.mean(host), 2), "host_ms_median": round(statistics.median(host), 2),
               "seqs": round(statistics.mean(s.num_seqs for s, _ in busy), 1)}
+    decode_only = [(s, f) for s, f in busy if s.num_prefill_tokens == 0]
+    if decode_only:
+        result["decode_only_steps"] = len(decode_only)
+        result["decode_only_host_ms_median"] = round(statistics.median(s.duration_ms - 1e3 * f
+                                                                       for s, f in decode_only), 3)
+        for phase in ("schedule_ms", "prepare_ms", "bookkeeping_ms"):
+            result["decode_only_" + phase[:-3] + "_median_ms"] = round(
+                statistics.median(getattr(s, phase) for s, _ in decode_only), 3)
     for phase in ("schedule_ms", "prepare_ms", "sample_ms", "bookkeeping_ms"):
         if hasattr(busy[0][0], phase):
             result[phase] = round(statistics.mean(getattr(s, phase) for s, _ in busy), 3)
@@ -191,6 +200,11 @@ def report(name: str, r: dict) -> None:
     print(f"{name:>10}: {r['busy_steps']} steps at {r['seqs']:.0f} seqs: step {r['step_ms']:.2f} ms = forward "
           f"{r['forward_ms']:.2f} + host {r['host_ms']:.2f} ms (median {r['host_ms_median']:.2f}; "
           f"{r['host_ms'] / r['step_ms']:.0%} of the step){'; ' + phases if phases else ''}")
+    if "decode_only_steps" in r:
+        phases = ", ".join(f"{phase} {r[f'decode_only_{phase}_median_ms']:.3f}"
+                           for phase in ("schedule", "prepare", "bookkeeping"))
+        print(f"{'':>10}  {r['decode_only_steps']} decode-only steps, medians: host "
+              f"{r['decode_only_host_ms_median']:.3f} ms; {phases}")
 
 
 def main() -> None:
