@@ -952,11 +952,11 @@ inline void pair_values(const Fp8* values, int64_t stride, int64_t count, uint16
   }
 }
 
-// walk_few's walk (same arguments and state) with `query` [heads][n][dim] bfloat16, unscaled; `scale` is applied to
-// the scores.
+// walk_few's walk (same state, from the first token: skips come with batch invariance only) with `query`
+// [heads][n][dim] bfloat16, unscaled; `scale` is applied to the scores.
 template <int Quads, typename Fp8>
 void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, const int64_t* blocks,
-                     int64_t length, float scale, Scratch& s, float* maxes, float* sums, float* acc, int64_t skip) {
+                     int64_t length, float scale, Scratch& s, float* maxes, float* sums, float* acc) {
   constexpr int64_t dim = 64 * Quads;
   const int64_t block = pool.block, stride = pool.token_stride, heads = pool.heads;
   uint16_t* keys = s.narrow_keys.data();
@@ -964,10 +964,8 @@ void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, co
   uint16_t* high = s.weight_pairs.data();
   uint16_t* low = high + 16;
   for (int64_t b = 0; b * block < length; ++b) {
-    const int64_t first = std::max(b * block, skip);
-    const int64_t count = std::min((b + 1) * block, length) - first;
-    if (count <= 0) continue;
-    const int64_t offset = blocks[b] * pool.block_stride + (first - b * block) * stride;
+    const int64_t count = std::min(block, length - b * block);
+    const int64_t offset = blocks[b] * pool.block_stride;
     narrow_to_bfloat16(pool.k_cache + offset, keys, s.keys.data(), count * stride);
     pair_values(pool.v_cache + offset, stride, count, pairs);
     // the next block requested a head's share at a time: all of it at once stalled on the outstanding misses
@@ -1030,12 +1028,12 @@ constexpr bool takes_few_paired(int64_t dim) {
 // walk_few_paired at this pool's head size; true (walked) where takes_few_paired holds.
 template <typename Cache>
 bool walk_few_paired(const uint16_t* query, int64_t n, const Pool<Cache>& pool, const int64_t* blocks, int64_t length,
-                     float scale, Scratch& s, float* maxes, float* sums, float* acc, int64_t skip = 0) {
+                     float scale, Scratch& s, float* maxes, float* sums, float* acc) {
   if constexpr (kFp8<Cache>) {
     switch (pool.dim) {
-      case 64: walk_few_paired<1>(query, n, pool, blocks, length, scale, s, maxes, sums, acc, skip); return true;
-      case 128: walk_few_paired<2>(query, n, pool, blocks, length, scale, s, maxes, sums, acc, skip); return true;
-      case 256: walk_few_paired<4>(query, n, pool, blocks, length, scale, s, maxes, sums, acc, skip); return true;
+      case 64: walk_few_paired<1>(query, n, pool, blocks, length, scale, s, maxes, sums, acc); return true;
+      case 128: walk_few_paired<2>(query, n, pool, blocks, length, scale, s, maxes, sums, acc); return true;
+      case 256: walk_few_paired<4>(query, n, pool, blocks, length, scale, s, maxes, sums, acc); return true;
     }
   }
   return false;
@@ -1046,12 +1044,12 @@ template <typename Cache>
 constexpr bool takes_few_paired(int64_t) {
   return false;
 }
-// Declared only: never called where takes_few_paired is false.
+// Declared only, for decode_sets' `if constexpr (kPairedFew)` branches, which are never instantiated here.
 bool bfloat16_rows(const float* query, const int64_t* member_rows, int64_t members, int64_t row_stride,
                    int64_t kv_heads, int64_t per_kv, int64_t dim, uint16_t* out);
 template <typename Cache>
 bool walk_few_paired(const uint16_t* query, int64_t n, const Pool<Cache>& pool, const int64_t* blocks, int64_t length,
-                     float scale, Scratch& s, float* maxes, float* sums, float* acc, int64_t skip = 0);
+                     float scale, Scratch& s, float* maxes, float* sums, float* acc);
 #endif
 
 // From this many rows a set walks its shared prefix vectorized across rows (walk_many).
@@ -1194,11 +1192,17 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
                   acc);
 #endif
 #endif
-      } else if (!(paired_few && bfloat16_rows(query, rows + first, members, row_stride, kv_heads, per_kv, dim,
-                                               s.query_pairs.data()) &&
-                   walk_few_paired(s.query_pairs.data(), n, pool, plan.shared_blocks + set * plan.shared_width,
-                                   shared, scale, s, maxes, sums, acc))) {
-        walk_few<Wide>(query_rows, n, pool, plan.shared_blocks + set * plan.shared_width, shared, s, maxes, sums, acc);
+      } else {
+        bool walked = false;
+        if constexpr (kPairedFew)  // (discarded where the paired walk is not built, so never referenced)
+          walked = paired_few &&
+                   bfloat16_rows(query, rows + first, members, row_stride, kv_heads, per_kv, dim,
+                                 s.query_pairs.data()) &&
+                   walk_few_paired(s.query_pairs.data(), n, pool, plan.shared_blocks + set * plan.shared_width, shared,
+                                   scale, s, maxes, sums, acc);
+        if (!walked)
+          walk_few<Wide>(query_rows, n, pool, plan.shared_blocks + set * plan.shared_width, shared, s, maxes, sums,
+                         acc);
       }
       for (int64_t m = 0; m < members; ++m) {
         const int64_t decode = first + m;
@@ -1231,10 +1235,13 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
       }
       const int64_t* own_blocks = plan.own_blocks + decode * plan.own_width;
       const int64_t skip = plan.own_skips ? plan.own_skips[decode] : 0;
-      if (!(paired_few &&
-            bfloat16_rows(query, rows + decode, 1, row_stride, kv_heads, per_kv, dim, s.query_pairs.data()) &&
-            walk_few_paired(s.query_pairs.data(), per_kv, pool, own_blocks, plan.own_lens[decode], scale, s, maxes,
-                            sums, target, skip))) {
+      bool walked = false;
+      if constexpr (kPairedFew)
+        walked = paired_few && skip == 0 &&
+                 bfloat16_rows(query, rows + decode, 1, row_stride, kv_heads, per_kv, dim, s.query_pairs.data()) &&
+                 walk_few_paired(s.query_pairs.data(), per_kv, pool, own_blocks, plan.own_lens[decode], scale, s,
+                                 maxes, sums, target);
+      if (!walked) {
         float* query_rows = s.rows.data();  // [heads][per_kv][dim]: the flat batch's own layout
         const float* source = query + rows[decode] * row_stride;
         for (int64_t i = 0; i < row_stride; ++i) query_rows[i] = scale * source[i];
