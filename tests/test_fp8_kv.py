@@ -4,6 +4,10 @@ rounding is the data, the kernels add nothing beyond float32 (or bfloat16) arith
 
 from __future__ import annotations
 
+import ctypes
+import os
+import subprocess
+
 import pytest
 import torch
 
@@ -12,7 +16,9 @@ import batchprefill.pipeline.build_engine as build_engine
 from batchprefill import JobError
 from batchprefill.engine import kv_cache
 from batchprefill.kernels.fp8_kv import to_cache
+from batchprefill.kernels.native import build as native
 from batchprefill.kernels.native import elementwise as native_elementwise
+from batchprefill.kernels.native import paged_decode
 from batchprefill.kernels.torch import elementwise as torch_elementwise
 from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.kernels.triton.ops import TritonOps
@@ -230,3 +236,53 @@ def test_the_cpp_walks_widen_every_fp8_code_exactly(dtype):
     got = TorchOps().attention(query, k_cache, v_cache, meta, 1e-3)
     want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 1e-3)
     torch.testing.assert_close(got, want, atol=1e-5 * torch.finfo(dtype).max, rtol=1e-5)
+
+
+# lone decodes of 1 to 77 tokens (odd counts pair a token with itself, partial blocks), a set of 2 and one of 3 over
+# shared blocks (too few rows for the row-vectorized walk: they take the pair products too), and a set of 6
+PAIRED_GROUPS = [(2, [1, 15]), (1, [32, 17, 7]), (3, [1, 16, 2, 5, 9, 40]), (0, [5]), (0, [32]), (0, [1]), (0, [77])]
+
+
+def bfloat16_exact_batch(dtype: torch.dtype, heads: int, kv_heads: int, dim: int):
+    tables, lens = decodes(PAIRED_GROUPS, 16)
+    query, k_cache, v_cache, meta = flat_batch([1] * len(lens), lens, tables, heads, kv_heads, dim, 16,
+                                               num_blocks=max(map(max, tables)) + 1, seed=dim)
+    # float32 queries that bfloat16 holds exactly take the pair products, as a bfloat16 model's do
+    return query.bfloat16().float(), to_cache(k_cache * 4, dtype), to_cache(v_cache * 4, dtype), meta
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=IDS)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 2, 128), (4, 1, 256)])
+def test_bfloat16_queries_over_an_fp8_pool_take_pair_products_within_1e_4_of_float32_attention(
+        dtype, heads, kv_heads, dim):
+    # products of bfloat16 queries and FP8 keys are exact, the weights carried as two bfloat16 (2^-17 relative): the
+    # outputs (up to about 15 here) stay within 3e-5 of float32 attention, where one bfloat16 weight each moved them
+    # by 1e-2
+    query, k_cache, v_cache, meta = bfloat16_exact_batch(dtype, heads, kv_heads, dim)
+    got = TorchOps().attention(query, k_cache, v_cache, meta, 0.125)
+    want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.125)
+    assert want.abs().max() > 10
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=IDS)
+@pytest.mark.parametrize("switched_off", [["-mno-avx512vbmi", "-mno-avx512bf16"], ["-mno-avx512f"]],
+                         ids=["avx512-without-vbmi", "avx2"])
+def test_builds_without_the_byte_tables_or_pair_products_give_the_same_attention_over_an_fp8_pool(
+        tmp_path, dtype, switched_off):
+    # built here as for an AVX-512 CPU before Ice Lake (F16C widening, float32 walks) and for an AVX2 one, over
+    # every finite FP8 code in K and V
+    library = tmp_path / "build.so"
+    subprocess.run([os.environ.get("CXX") or "c++", *native.FLAGS, *switched_off, "-o", str(library),
+                    str(native.SOURCES / "paged_decode.cpp")], check=True, capture_output=True)
+    query, k_cache, v_cache, meta = bfloat16_exact_batch(dtype, 9, 3, 64)
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    codes = codes[codes.float().isfinite() & (codes.float().abs() < 64)]
+    k_cache = codes[torch.arange(k_cache.numel()) % len(codes)].view(k_cache.shape)
+    v_cache = codes[torch.randperm(v_cache.numel(), generator=torch.Generator().manual_seed(0)) % len(codes)].view(
+        v_cache.shape)
+    built = TorchOps()
+    built._paged = paged_decode.PagedDecode(ctypes.CDLL(str(library)))
+    want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.01)
+    for ops in (built, TorchOps()):
+        torch.testing.assert_close(ops.attention(query, k_cache, v_cache, meta, 0.01), want, atol=1e-4, rtol=1e-4)

@@ -14,7 +14,8 @@ one-sentence answers, 96 rows of 4 choices. Greedy rows: the first `--prompts` s
 `--walks`: a decode step's attention for 30 layers (30 distinct pools, read from memory as a real step reads them)
 in the C++ kernel, bfloat16 queries over bfloat16, e4m3 and e5m2 pools of the same values, the three timed in turn
 and the best of 7 rounds kept, so a busy machine slows them alike (benchmarks/cpu/cpu_ops.py's decode batches,
-SmolLM2's shapes). Milliseconds, and each FP8 pool's time over bfloat16's. `--baseline REV` builds REV's
+SmolLM2's shapes). Milliseconds (the process's CPU time with one thread, wall time with more), and each FP8
+pool's time over bfloat16's. `--baseline REV` builds REV's
 paged_decode.cpp here with the same flags (benchmarks/cpu/walk_builds.py) and times its walks in the same turns.
 """
 
@@ -63,6 +64,8 @@ def walks(threads: int, baseline: str | None) -> None:
     from batchprefill.kernels.torch.ops import TorchOps
 
     torch.set_num_threads(threads)
+    # one thread: the process's CPU time, which other processes' turns on a shared machine do not inflate
+    clock = time.process_time if threads == 1 else time.perf_counter
     folder = tempfile.TemporaryDirectory()
     builds = {"this checkout": TorchOps()}
     if baseline:  # the baseline revision's kernel built here with the same flags, timed in turn with this one's
@@ -72,7 +75,8 @@ def walks(threads: int, baseline: str | None) -> None:
         builds = {baseline: built_ops(source, Path(folder.name) / "baseline.so", []),
                   "this checkout": built_ops(native.SOURCES / "paged_decode.cpp", Path(folder.name) / "this.so", [])}
     dtypes = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-    print(f"CPU: {cpu_model()}; {threads} thread(s); ms a step of 30 layers, best of 7")
+    timing = "CPU time" if threads == 1 else "wall time"
+    print(f"CPU: {cpu_model()}; {threads} thread(s); ms a step of 30 layers ({timing}), best of 7")
     print("| case | build | bfloat16 ms | e4m3 ms | e5m2 ms | e4m3 / bfloat16 | e5m2 / bfloat16 |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for groups, members, prefix, own, name in WALK_CASES:
@@ -86,10 +90,10 @@ def walks(threads: int, baseline: str | None) -> None:
         for _ in range(7):
             for label, ops in builds.items():
                 for dtype, layers in pools.items():
-                    start = time.perf_counter()
+                    start = clock()
                     for k_cache, v_cache in layers:
                         ops.attention(query, k_cache, v_cache, plans[label, dtype], 0.125)
-                    best[label, dtype] = min(best[label, dtype], time.perf_counter() - start)
+                    best[label, dtype] = min(best[label, dtype], clock() - start)
         for label in builds:
             ms = [1e3 * best[label, dtype] for dtype in dtypes]
             print(f"| {name} | {label} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {ms[1] / ms[0]:.2f} "

@@ -56,11 +56,13 @@ inline void widen(const uint16_t* source, float* target, int64_t count) {
   }
 }
 
-// FP8 pools (kernels/fp8_kv.py), one byte an element, widened a block at a time as bfloat16 pools are. e5m2 is a
-// float16's upper byte; e4m3fn's seven low bits shifted into a float16's exponent and mantissa give its value / 256
-// exactly, subnormals too (the exponent biases differ by 8), so either widens as float16 bits by F16C's conversion,
-// e4m3 then times 256. Per block of SmolLM2 (16 tokens x 3 heads x 64) that is 3,072 bytes of K and of V to read
-// where bfloat16 reads 6,144.
+// FP8 pools (kernels/fp8_kv.py), one byte an element. Per block of SmolLM2 (16 tokens x 3 heads x 64) that is 3,072
+// bytes of K and of V to read where bfloat16 reads 6,144. Where AVX-512 VBMI is built, blocks convert by byte tables
+// (fp8_to_bfloat16 below), and bfloat16 queries walk a decode's own blocks and small sets' shared ones by pair
+// products (walk_few_paired). Elsewhere a block is widened to float32 as a bfloat16 pool's is: e5m2 is a float16's
+// upper byte; e4m3fn's seven low bits shifted into a float16's exponent and mantissa give its value / 256 exactly,
+// subnormals too (the exponent biases differ by 8), so either widens as float16 bits by F16C's conversion, e4m3
+// then times 256.
 struct E4M3 {
   uint8_t bits;
 };
@@ -868,7 +870,10 @@ void walk_few(const float* query, int64_t n, const Pool<Cache>& pool, const int6
 // (45 instructions for 16 dot products, where dot_rows spends about 20 on 4); values: each weight split into two
 // bfloat16, high and low (w - high), so the weights carry 16 bits of mantissa (relative error about 2^-17, where
 // one bfloat16 weight, as the tile walks and GPU flash attention take, would carry 2^-9). Head sizes 64, 128 and
-// 256 (Quads = dim / 64); not under batch invariance (walk_few's order is that mode's contract).
+// 256 (Quads = dim / 64); not under batch invariance (walk_few's order is that mode's contract). One thread, 30
+// layers, AMD EPYC Zen 4, CPU time: 80 lone decodes of 512 tokens over e4m3 114.8 -> 79.5 ms (bfloat16 pool 130.0),
+// 81 of 128 tokens 32.2 -> 24.4 (benchmarks/cpu/fp8_kv.py --walks --baseline 0b6ae7f). Tried and dropped: two rows
+// at a time sharing each value load (1.07x the time), one bfloat16 weight (0.88x, but outputs 1e-2 off).
 constexpr bool kPairedFew = true;
 
 // 16 vectors' lane sums, lane i the sum of p[i]: sixteen become eight by adding 256-bit halves, then four by 128-bit
@@ -952,11 +957,11 @@ inline void pair_values(const Fp8* values, int64_t stride, int64_t count, uint16
   }
 }
 
-// walk_few's walk (same arguments and state) with `query` [heads][n][dim] bfloat16, unscaled; `scale` is applied to
-// the scores.
+// walk_few's walk (same state, from the first token: skips come with batch invariance only) with `query`
+// [heads][n][dim] bfloat16, unscaled; `scale` is applied to the scores.
 template <int Quads, typename Fp8>
 void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, const int64_t* blocks,
-                     int64_t length, float scale, Scratch& s, float* maxes, float* sums, float* acc, int64_t skip) {
+                     int64_t length, float scale, Scratch& s, float* maxes, float* sums, float* acc) {
   constexpr int64_t dim = 64 * Quads;
   const int64_t block = pool.block, stride = pool.token_stride, heads = pool.heads;
   uint16_t* keys = s.narrow_keys.data();
@@ -964,10 +969,8 @@ void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, co
   uint16_t* high = s.weight_pairs.data();
   uint16_t* low = high + 16;
   for (int64_t b = 0; b * block < length; ++b) {
-    const int64_t first = std::max(b * block, skip);
-    const int64_t count = std::min((b + 1) * block, length) - first;
-    if (count <= 0) continue;
-    const int64_t offset = blocks[b] * pool.block_stride + (first - b * block) * stride;
+    const int64_t count = std::min(block, length - b * block);
+    const int64_t offset = blocks[b] * pool.block_stride;
     narrow_to_bfloat16(pool.k_cache + offset, keys, s.keys.data(), count * stride);
     pair_values(pool.v_cache + offset, stride, count, pairs);
     // the next block requested a head's share at a time: all of it at once stalled on the outstanding misses
@@ -1030,12 +1033,12 @@ constexpr bool takes_few_paired(int64_t dim) {
 // walk_few_paired at this pool's head size; true (walked) where takes_few_paired holds.
 template <typename Cache>
 bool walk_few_paired(const uint16_t* query, int64_t n, const Pool<Cache>& pool, const int64_t* blocks, int64_t length,
-                     float scale, Scratch& s, float* maxes, float* sums, float* acc, int64_t skip = 0) {
+                     float scale, Scratch& s, float* maxes, float* sums, float* acc) {
   if constexpr (kFp8<Cache>) {
     switch (pool.dim) {
-      case 64: walk_few_paired<1>(query, n, pool, blocks, length, scale, s, maxes, sums, acc, skip); return true;
-      case 128: walk_few_paired<2>(query, n, pool, blocks, length, scale, s, maxes, sums, acc, skip); return true;
-      case 256: walk_few_paired<4>(query, n, pool, blocks, length, scale, s, maxes, sums, acc, skip); return true;
+      case 64: walk_few_paired<1>(query, n, pool, blocks, length, scale, s, maxes, sums, acc); return true;
+      case 128: walk_few_paired<2>(query, n, pool, blocks, length, scale, s, maxes, sums, acc); return true;
+      case 256: walk_few_paired<4>(query, n, pool, blocks, length, scale, s, maxes, sums, acc); return true;
     }
   }
   return false;
@@ -1046,12 +1049,12 @@ template <typename Cache>
 constexpr bool takes_few_paired(int64_t) {
   return false;
 }
-// Declared only: never called where takes_few_paired is false.
+// Declared only, for decode_sets' `if constexpr (kPairedFew)` branches, which are never instantiated here.
 bool bfloat16_rows(const float* query, const int64_t* member_rows, int64_t members, int64_t row_stride,
                    int64_t kv_heads, int64_t per_kv, int64_t dim, uint16_t* out);
 template <typename Cache>
 bool walk_few_paired(const uint16_t* query, int64_t n, const Pool<Cache>& pool, const int64_t* blocks, int64_t length,
-                     float scale, Scratch& s, float* maxes, float* sums, float* acc, int64_t skip = 0);
+                     float scale, Scratch& s, float* maxes, float* sums, float* acc);
 #endif
 
 // From this many rows a set walks its shared prefix vectorized across rows (walk_many).
@@ -1194,11 +1197,17 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
                   acc);
 #endif
 #endif
-      } else if (!(paired_few && bfloat16_rows(query, rows + first, members, row_stride, kv_heads, per_kv, dim,
-                                               s.query_pairs.data()) &&
-                   walk_few_paired(s.query_pairs.data(), n, pool, plan.shared_blocks + set * plan.shared_width,
-                                   shared, scale, s, maxes, sums, acc))) {
-        walk_few<Wide>(query_rows, n, pool, plan.shared_blocks + set * plan.shared_width, shared, s, maxes, sums, acc);
+      } else {
+        bool walked = false;
+        if constexpr (kPairedFew)  // (discarded where the paired walk is not built, so never referenced)
+          walked = paired_few &&
+                   bfloat16_rows(query, rows + first, members, row_stride, kv_heads, per_kv, dim,
+                                 s.query_pairs.data()) &&
+                   walk_few_paired(s.query_pairs.data(), n, pool, plan.shared_blocks + set * plan.shared_width, shared,
+                                   scale, s, maxes, sums, acc);
+        if (!walked)
+          walk_few<Wide>(query_rows, n, pool, plan.shared_blocks + set * plan.shared_width, shared, s, maxes, sums,
+                         acc);
       }
       for (int64_t m = 0; m < members; ++m) {
         const int64_t decode = first + m;
@@ -1231,10 +1240,13 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
       }
       const int64_t* own_blocks = plan.own_blocks + decode * plan.own_width;
       const int64_t skip = plan.own_skips ? plan.own_skips[decode] : 0;
-      if (!(paired_few &&
-            bfloat16_rows(query, rows + decode, 1, row_stride, kv_heads, per_kv, dim, s.query_pairs.data()) &&
-            walk_few_paired(s.query_pairs.data(), per_kv, pool, own_blocks, plan.own_lens[decode], scale, s, maxes,
-                            sums, target, skip))) {
+      bool walked = false;
+      if constexpr (kPairedFew)
+        walked = paired_few && skip == 0 &&
+                 bfloat16_rows(query, rows + decode, 1, row_stride, kv_heads, per_kv, dim, s.query_pairs.data()) &&
+                 walk_few_paired(s.query_pairs.data(), per_kv, pool, own_blocks, plan.own_lens[decode], scale, s,
+                                 maxes, sums, target);
+      if (!walked) {
         float* query_rows = s.rows.data();  // [heads][per_kv][dim]: the flat batch's own layout
         const float* source = query + rows[decode] * row_stride;
         for (int64_t i = 0; i < row_stride; ++i) query_rows[i] = scale * source[i];
@@ -1721,7 +1733,8 @@ void paged_decode_bf16(const float* query, const uint16_t* k_cache, const uint16
   run(query, k_cache, v_cache, plan, block, kv_heads, dim, scale, out, threads);
 }
 
-// FP8 pools (kernels/fp8_kv.py): the vector walks, over each block widened to float32; never the tile walks.
+// FP8 pools (kernels/fp8_kv.py): the vector walks (with bfloat16 queries and AVX512_BF16 + VBMI, the paired ones);
+// never the tile walks.
 void paged_decode_e4m3(const float* query, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* sets,
                        const int64_t* shared_blocks, const int64_t* rows, const int64_t* own_blocks,
                        const int64_t* own_lens, int64_t num_sets, int64_t shared_width, int64_t own_width,
