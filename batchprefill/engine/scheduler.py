@@ -276,14 +276,13 @@ class Scheduler:
             request = requests[index]
             if request.status is not finished:
                 register(request, int(starts[index]) // size)
-        decoding = self.rows.decoding
-        for index in range(step.num_decode_tokens, len(requests)):  # the decodes decode still
-            request = requests[index]
-            if request.status is not finished:
-                # A recomputed request with outputs decodes once only its last token is left, as one that samples
-                # does once its prompt is computed.
-                decoding[step.slots[index]] = request.is_decoding or (
-                    request.sampling.max_tokens > 0 and request.num_computed_tokens == request.num_tokens)
+        # The decodes decode still. A prompt chunk's request decodes once its prompt is computed if it samples, or
+        # (a recomputed one with outputs) once only its last token is left. A finished request's slot is written
+        # harmlessly, as above.
+        prompts = step.num_decode_tokens
+        self.rows.decoding[step.slots[prompts:]] = [
+            (r.num_computed_tokens == r.num_tokens - 1 and bool(r.output_token_ids))
+            or (r.num_computed_tokens == r.num_tokens and r.sampling.max_tokens > 0) for r in requests[prompts:]]
 
     def fork(self, parent: Request) -> list[tuple[int, int]]:
         """Start the children of a parent whose prompt is now computed; returns the (parent, child) blocks whose
