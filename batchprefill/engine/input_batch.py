@@ -113,12 +113,13 @@ class InputBatch:
             gathers = {"gather_rows": pending, "gather_sources": np.fromiter(
                 (requests[i].pending_sample for i in pending.tolist()), np.int64, pending.size)}
             last[pending] = 0
-        ids = [last]
-        for index in range(num_decodes, num_chunks):
-            request = requests[index]
-            start = int(starts_a[index])
-            totals[index] = request.num_tokens
-            ids.append(np.array(request.tokens(start, start + int(counts_a[index])), dtype=np.int64))
+        prompt_ids: list[int] = []
+        prompt_totals: list[int] = []
+        for request, start, count in zip(requests[num_decodes:], starts_a[num_decodes:].tolist(),
+                                         counts_a[num_decodes:].tolist()):
+            prompt_ids.extend(request.tokens(start, start + count))
+            prompt_totals.append(request.num_tokens)
+        totals[num_decodes:] = prompt_totals
         query_start = np.zeros(num_chunks + 1, dtype=np.int64)
         np.cumsum(counts_a, out=query_start[1:])
         token_rows = np.repeat(rows_a, counts_a)
@@ -135,7 +136,8 @@ class InputBatch:
         self.num_outputs[sampled_rows] += 1
         may_end = self.stops[sampled_rows] | (self.num_outputs[sampled_rows] >= self.output_limit[sampled_rows])
         return ForwardInputs(
-            input_ids=np.concatenate(ids), positions=positions, slot_mapping=slots,
+            input_ids=np.concatenate((last, np.array(prompt_ids, dtype=np.int64))), positions=positions,
+            slot_mapping=slots,
             query_start=query_start.astype(np.int32), seq_lens=seq_lens.astype(np.int32),
             block_tables=table[rows_a, :width], logits_rows=query_start[1:][sampled] - 1,
             sampled=sampled, sampling=sampling, prefilled=np.flatnonzero(complete & ~samples),

@@ -64,9 +64,10 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_batched_tokens
-        requests, counts = self._decodes(min(budget, self.max_num_seqs))
+        requests, decode_slots = self._decodes(min(budget, self.max_num_seqs))
         num_decode = len(requests)
         budget -= num_decode
+        counts: list[int] = []  # the prompt chunks' tokens
 
         if num_decode < len(self.running):  # a pure decode step skips this
             scheduled = set(map(id, requests))
@@ -95,14 +96,17 @@ class Scheduler:
         budget = self._admit(budget, requests, counts)
         preempted, self._preempted = self._preempted, []
         rows = self.rows
-        slots = np.fromiter(map(rows.slot_of.__getitem__, map(id, requests)), np.int64, len(requests))
-        return SchedulerOutput(requests, np.array(counts, dtype=np.int64), rows.computed[slots],
-                               rows.blocks[slots], slots, num_decode, self.max_batched_tokens - budget - num_decode,
-                               preempted)
+        slots = np.concatenate((decode_slots, self._slots(requests[num_decode:])))
+        num_tokens = np.concatenate((np.ones(num_decode, dtype=np.int64), np.array(counts, dtype=np.int64)))
+        return SchedulerOutput(requests, num_tokens, rows.computed[slots], rows.blocks[slots], slots, num_decode,
+                               self.max_batched_tokens - budget - num_decode, preempted)
 
-    def _decodes(self, most: int) -> tuple[list[Request], list[int]]:
+    def _slots(self, requests: list[Request]) -> np.ndarray:
+        return np.fromiter(map(self.rows.slot_of.__getitem__, map(id, requests)), np.int64, len(requests))
+
+    def _decodes(self, most: int) -> tuple[list[Request], np.ndarray]:
         """The running decodes this step takes, oldest first, at most `most`, each with room for its token, and their
-        token counts (1 each). On the columns: when the pool has a block for every decode that needs one, no one is
+        slots. On the columns: when the pool has a block for every decode that needs one, no one is
         preempted, so only those decodes are visited, to take their block (a step of 1,024 decodes: 0.43 ms of
         Python before). Else the per-request loop, whose preemptions (the newest first, possibly the decode itself)
         change who runs as it goes."""
@@ -122,10 +126,10 @@ class Scheduler:
             rows.blocks[taken] += need
             self._held_blocks += total
         if len(positions) == len(running):
-            return list(running), [1] * len(running)
-        return [running[p] for p in positions.tolist()], [1] * len(positions)
+            return list(running), taken
+        return [running[p] for p in positions.tolist()], taken
 
-    def _decodes_one_by_one(self, most: int) -> tuple[list[Request], list[int]]:
+    def _decodes_one_by_one(self, most: int) -> tuple[list[Request], np.ndarray]:
         """`_decodes` when the pool may run short: each decode in turn takes its block, preempting the newest others
         (or itself) when none is left."""
         requests: list[Request] = []
@@ -145,7 +149,7 @@ class Scheduler:
                 continue  # it needed a block and was preempted itself
             requests.append(request)
             scheduled.add(id(request))
-        return requests, [1] * len(requests)
+        return requests, self._slots(requests)
 
     def _room_for(self, request: Request) -> int:
         """How many more tokens of this request the pool can hold without preempting anyone."""
@@ -272,14 +276,13 @@ class Scheduler:
             request = requests[index]
             if request.status is not finished:
                 register(request, int(starts[index]) // size)
-        decoding = self.rows.decoding
-        for index in range(step.num_decode_tokens, len(requests)):  # the decodes decode still
-            request = requests[index]
-            if request.status is not finished:
-                # A recomputed request with outputs decodes once only its last token is left, as one that samples
-                # does once its prompt is computed.
-                decoding[step.slots[index]] = request.is_decoding or (
-                    request.sampling.max_tokens > 0 and request.num_computed_tokens == request.num_tokens)
+        # The decodes decode still. A prompt chunk's request decodes once its prompt is computed if it samples, or
+        # (a recomputed one with outputs) once only its last token is left. A finished request's slot is written
+        # harmlessly, as above.
+        prompts = step.num_decode_tokens
+        self.rows.decoding[step.slots[prompts:]] = [
+            (r.num_computed_tokens == r.num_tokens - 1 and bool(r.output_token_ids))
+            or (r.num_computed_tokens == r.num_tokens and r.sampling.max_tokens > 0) for r in requests[prompts:]]
 
     def fork(self, parent: Request) -> list[tuple[int, int]]:
         """Start the children of a parent whose prompt is now computed; returns the (parent, child) blocks whose
