@@ -5,6 +5,7 @@ the same best choice, and how long greedy answers stay the same.
     python benchmarks/cpu/fp8_kv.py --kv-cache-dtype fp8_e5m2 --prompts 16 --tokens 64
     python benchmarks/cpu/fp8_kv.py --walks --threads 1      # the C++ decode walks' time over each pool dtype
     python benchmarks/cpu/fp8_kv.py --walks --baseline REV   # ... and the same walks at REV's kernel, in turn
+    python benchmarks/cpu/fp8_kv.py --stores --baseline REV  # a decode step's KV stores, bfloat16 and e4m3 pools
 
 Score rows: the shipped sample's 48 prompts (data_samples/prompts.parquet), each scored twice, against the four
 documents' subjects (" Paris", " honey bees", " Mount Etna", " the James Webb Space Telescope") and against four
@@ -101,6 +102,53 @@ def walks(threads: int, baseline: str | None) -> None:
     folder.cleanup()
 
 
+def stores(baseline: str | None) -> None:
+    """A decode step's KV stores (80 tokens x 3 KV heads x 64 per layer, bfloat16 keys and values, 30 layers) into a
+    bfloat16 pool and an e4m3 one, by this checkout's elementwise.cpp and `baseline`'s built alike, in turn."""
+    import ctypes
+    import tempfile
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from workloads import cpu_model
+
+    from batchprefill.kernels.native import build as native
+    from batchprefill.kernels.native.elementwise import NativeElementwise
+
+    torch.set_num_threads(1)
+    folder = Path(tempfile.mkdtemp())
+    sources = {"this checkout": native.SOURCES / "elementwise.cpp"}
+    if baseline:
+        sources[baseline] = folder / "baseline.cpp"
+        sources[baseline].write_bytes(subprocess.run(
+            ["git", "show", f"{baseline}:batchprefill/kernels/native/csrc/elementwise.cpp"], check=True,
+            capture_output=True, cwd=REPO).stdout)
+    builds = {}
+    for label, source in sources.items():
+        library = folder / f"{len(builds)}.so"
+        subprocess.run(["c++", *native.FLAGS, "-o", str(library), str(source)], check=True)
+        builds[label] = NativeElementwise(ctypes.CDLL(str(library)))
+    generator = torch.Generator().manual_seed(0)
+    keys = [torch.randn(80, 3, 64, generator=generator).bfloat16() for _ in range(30)]
+    slots = torch.randperm(4096, generator=generator)[:80]
+    pools = {dtype: [torch.zeros(256, 16, 3, 64, dtype=dtype) for _ in range(2)]
+             for dtype in (torch.bfloat16, torch.float8_e4m3fn)}
+    best = {(label, dtype): float("inf") for label in builds for dtype in pools}
+    for _ in range(20):
+        for label, ops in builds.items():
+            for dtype, (k_cache, v_cache) in pools.items():
+                start = time.process_time()
+                for key in keys:
+                    ops.store_kv(key, key, k_cache, v_cache, slots)
+                best[label, dtype] = min(best[label, dtype], time.process_time() - start)
+    print(f"CPU: {cpu_model()}; 1 thread; ms of CPU time for 30 layers' stores of 80 tokens, best of 20")
+    print("| build | into bfloat16 | into e4m3 |")
+    print("| --- | ---: | ---: |")
+    for label in builds:
+        print(f"| {label} | " + " | ".join(f"{1e3 * best[label, dtype]:.2f}" for dtype in pools) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-cache-dtype", default="fp8")
@@ -110,8 +158,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--walks", action="store_true", help="time the C++ decode walks instead")
     parser.add_argument("--threads", type=int, default=1, help="with --walks")
-    parser.add_argument("--baseline", help="with --walks: also time this git revision's kernel, built here, in turn")
+    parser.add_argument("--stores", action="store_true", help="time the C++ KV stores instead")
+    parser.add_argument("--baseline", help="with --walks or --stores: also time this git revision's kernel, built "
+                        "here, in turn")
     args = parser.parse_args()
+    if args.stores:
+        stores(args.baseline)
+        return
     if args.walks:
         walks(args.threads, args.baseline)
         return
