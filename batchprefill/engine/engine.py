@@ -56,7 +56,7 @@ class InFlight:
     requests: list[Request | None]  # per sampled row, the request whose PENDING_TOKEN it fills (None: dropped)
     tokens: torch.Tensor  # on the device: the next step's decodes gather their input ids from it
     copy: TokenCopy
-    may_end: np.ndarray  # per sampled row: it may end whatever its token (ForwardInputs.may_end)
+    may_end: np.ndarray  # per sampled row: it may end whatever its token (Engine._may_end)
 
 
 class Engine:
@@ -186,7 +186,7 @@ class Engine:
             if inputs.prefilled.size:
                 self._prefilled([step.requests[index] for index in inputs.prefilled.tolist()], finished)
             if tops is None and self.structured is None:
-                self._append_all(sampled, tokens, inputs.may_end, finished)
+                self._append_all(sampled, tokens, self._may_end(inputs), finished)
             else:
                 self._append_each(sampled, tokens.tolist(), tops, finished)
         else:
@@ -235,7 +235,7 @@ class Engine:
             if inputs.prefilled.size:
                 self._prefilled([step.requests[index] for index in inputs.prefilled.tolist()], finished)
             if sampled:
-                self.in_flight = self._pend(sampled, tokens, copy, inputs.may_end)
+                self.in_flight = self._pend(sampled, tokens, copy, self._may_end(inputs))
         self._record(step, clock, finished, waited, overlapped=True)
         return finished
 
@@ -297,10 +297,15 @@ class Engine:
             elif (row := request.readout.finish(request)) is not None:
                 finished.append(row)
 
+    def _may_end(self, inputs: ForwardInputs) -> np.ndarray:
+        """Per sampled row: whether it may end whatever token it samples (`ForwardInputs.may_end`, or its next token
+        reaches the position limit: the row's sequence is its computed tokens and that one)."""
+        return inputs.may_end | (inputs.seq_lens[inputs.sampled] + 1 >= self.max_positions)
+
     def _append_all(self, requests: list[Request], tokens: np.ndarray, may_end: np.ndarray,
                     finished: list[Request]) -> None:
         """A step's tokens when no row is constrained or records logprobs (the usual decode step): one tight loop
-        appends them, and only the rows that may end now (an EOS token, or `may_end`: stop strings to look for, the
+        appends them, and only the rows that may end now (an EOS token, or `may_end`: stop strings to look for, a
         length limit reached), found with numpy, go through `_ends`, which decides as `_append` always did. At
         1,024 decodes a step (benchmarks/cpu/host_overhead.py --seqs 1024 --stub-forward) testing every row in the
         loop made bookkeeping 0.37 ms."""

@@ -36,8 +36,8 @@ class ForwardInputs:
     # no logits row, so a prefill-only step never runs the LM head.
     prefilled: np.ndarray
     token_adapters: np.ndarray  # [T] int32: each token's LoRA adapter index (0: the base model)
-    # [R] bool: the sampled rows that may end whatever token they sample (their length limit is reached, or they have
-    # stop strings to look for); the others end only on an EOS token. The engine's bookkeeping visits only those.
+    # [R] bool: the sampled rows that may end whatever token they sample (max_tokens reached, or stop strings to look
+    # for); the others end only on an EOS token or at the engine's position limit. Its bookkeeping visits only those.
     may_end: np.ndarray
     # The overlapped loop's decodes whose input token is still on the device: their rows of `input_ids` (which hold
     # 0 there) take the previous step's sampled token at `gather_sources`, gathered on the device.
@@ -52,7 +52,6 @@ class ForwardInputs:
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int):
         self.block_size = block_size
-        self.max_model_len = max_model_len
         self.block_table = np.zeros((max_num_seqs, cdiv(max_model_len, block_size) + 1), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # blocks of each row's table copied in
         self.temperature = np.zeros(max_num_seqs, dtype=np.float32)
@@ -61,7 +60,7 @@ class InputBatch:
         self.keys = np.zeros(max_num_seqs, dtype=np.uint64)
         self.num_outputs = np.zeros(max_num_seqs, dtype=np.int64)
         self.samples = np.ones(max_num_seqs, dtype=bool)  # max_tokens > 0: it samples after its prompt
-        self.output_limit = np.zeros(max_num_seqs, dtype=np.int64)  # outputs at which it ends by length
+        self.max_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.stops = np.zeros(max_num_seqs, dtype=bool)  # it has stop strings
         self.adapter = np.zeros(max_num_seqs, dtype=np.int32)
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -79,7 +78,7 @@ class InputBatch:
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
         self.samples[row] = params.max_tokens > 0
-        self.output_limit[row] = min(params.max_tokens, self.max_model_len - request.num_prompt_tokens)
+        self.max_tokens[row] = params.max_tokens
         self.stops[row] = bool(params.stop)
         self.keys[row] = request_key(params.seed, request.request_id, request.sample_index)
         self.num_outputs[row] = len(request.output_token_ids)
@@ -134,7 +133,7 @@ class InputBatch:
         sampling = SamplingBatch(self.temperature[sampled_rows], self.top_k[sampled_rows], self.top_p[sampled_rows],
                                  self.keys[sampled_rows], self.num_outputs[sampled_rows])
         self.num_outputs[sampled_rows] += 1
-        may_end = self.stops[sampled_rows] | (self.num_outputs[sampled_rows] >= self.output_limit[sampled_rows])
+        may_end = self.stops[sampled_rows] | (self.num_outputs[sampled_rows] >= self.max_tokens[sampled_rows])
         return ForwardInputs(
             input_ids=np.concatenate((last, np.array(prompt_ids, dtype=np.int64))), positions=positions,
             slot_mapping=slots,
