@@ -243,8 +243,9 @@ def test_the_cpp_walks_widen_every_fp8_code_exactly(dtype):
 PAIRED_GROUPS = [(2, [1, 15]), (1, [32, 17, 7]), (3, [1, 16, 2, 5, 9, 40]), (0, [5]), (0, [32]), (0, [1]), (0, [77])]
 
 
-def bfloat16_exact_batch(dtype: torch.dtype, heads: int, kv_heads: int, dim: int):
-    tables, lens = decodes(PAIRED_GROUPS, 16)
+def bfloat16_exact_batch(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                         groups: list[tuple[int, list[int]]] = PAIRED_GROUPS):
+    tables, lens = decodes(groups, 16)
     query, k_cache, v_cache, meta = flat_batch([1] * len(lens), lens, tables, heads, kv_heads, dim, 16,
                                                num_blocks=max(map(max, tables)) + 1, seed=dim)
     # float32 queries that bfloat16 holds exactly take the pair products, as a bfloat16 model's do
@@ -259,6 +260,24 @@ def test_bfloat16_queries_over_an_fp8_pool_take_pair_products_within_1e_4_of_flo
     # outputs (up to about 15 here) stay within 3e-5 of float32 attention, where one bfloat16 weight each moved them
     # by 1e-2
     query, k_cache, v_cache, meta = bfloat16_exact_batch(dtype, heads, kv_heads, dim)
+    got = TorchOps().attention(query, k_cache, v_cache, meta, 0.125)
+    want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.125)
+    assert want.abs().max() > 10
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# sets of 6, 11 and 17 decodes over 2, 3 and 1 shared blocks: at 3 query heads per KV head 18, 33 and 51 rows (one,
+# three and four 16-row tiles, the last partly filled) walk the shared prefix vectorized across rows; at 4, 24 to 68
+MANY_ROW_GROUPS = [(2, [1, 15, 16, 2, 9, 40]), (3, [1 + 3 * i for i in range(11)]), (1, [5] * 17)]
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=IDS)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 2, 128), (4, 1, 256)])
+def test_the_row_vectorized_shared_walk_over_an_fp8_pool_pairs_its_values_within_1e_4_of_float32_attention(
+        dtype, heads, kv_heads, dim):
+    # the shared walk's weights times values as bfloat16 pairs, each weight split into a high and a low bfloat16:
+    # outputs up to about 15 stay within 1e-4 of float32 attention, where one bfloat16 weight each moved them by 1e-2
+    query, k_cache, v_cache, meta = bfloat16_exact_batch(dtype, heads, kv_heads, dim, MANY_ROW_GROUPS)
     got = TorchOps().attention(query, k_cache, v_cache, meta, 0.125)
     want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.125)
     assert want.abs().max() > 10

@@ -59,10 +59,10 @@ inline void widen(const uint16_t* source, float* target, int64_t count) {
 // FP8 pools (kernels/fp8_kv.py), one byte an element. Per block of SmolLM2 (16 tokens x 3 heads x 64) that is 3,072
 // bytes of K and of V to read where bfloat16 reads 6,144. Where AVX-512 VBMI is built, blocks convert by byte tables
 // (fp8_to_bfloat16 below), and bfloat16 queries walk a decode's own blocks and small sets' shared ones by pair
-// products (walk_few_paired). Elsewhere a block is widened to float32 as a bfloat16 pool's is: e5m2 is a float16's
-// upper byte; e4m3fn's seven low bits shifted into a float16's exponent and mantissa give its value / 256 exactly,
-// subnormals too (the exponent biases differ by 8), so either widens as float16 bits by F16C's conversion, e4m3
-// then times 256.
+// products (walk_few_paired), large sets' shared ones too (score_tiles_paired, accumulate_many_paired). Elsewhere a
+// block is widened to float32 as a bfloat16 pool's is: e5m2 is a float16's upper byte; e4m3fn's seven low bits
+// shifted into a float16's exponent and mantissa give its value / 256 exactly, subnormals too (the exponent biases
+// differ by 8), so either widens as float16 bits by F16C's conversion, e4m3 then times 256.
 struct E4M3 {
   uint8_t bits;
 };
@@ -292,6 +292,8 @@ struct Scratch {
   // walk_few_paired: a block's values as bfloat16 pairs of tokens, the weights' high and low bfloat16 halves, the
   // query rows as bfloat16
   std::vector<uint16_t> value_pairs, weight_pairs, query_pairs;
+  // walk_many over an FP8 pool: a block's weights' high and low bfloat16 halves as pairs of tokens [token pair][padded]
+  std::vector<uint32_t> many_high, many_low;
 };
 
 inline float dot_plain(const float* a, const float* b, int64_t dim) {
@@ -536,6 +538,48 @@ inline void score_head(const float* transposed, const uint32_t* paired, int64_t 
   score_tiles<Tiles>(transposed, padded, tile, k, stride, count, dim, scores);
 }
 
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+// Defined with walk_few_paired below.
+template <int Quads>
+inline void accumulate_paired(const uint32_t* high, const uint32_t* low, const uint16_t* pairs, int64_t stride,
+                              int64_t count, float rescale, float* acc, int64_t weight_stride);
+template <typename Fp8>
+inline void pair_values(const Fp8* values, int64_t stride, int64_t count, uint16_t* pairs);
+
+// walk_many's values over an FP8 pool as walk_few_paired takes them: the block's values as bfloat16 pairs of tokens
+// (`pairs`, this head's), each row's weights split into a high and a low bfloat16 (16 rows per conversion), so one
+// VDPBF16PS takes 32 products where accumulate_many's FMA takes 16 of values widened to float32. The weights carry
+// 16 bits of mantissa (outputs within 1e-4 of float32 attention; one bfloat16 weight moved them by 1e-2,
+// tests/test_fp8_kv.py). 9 sets of 9 decodes over 448 shared tokens, one thread, 30 layers, CPU time, AMD EPYC
+// Zen 4: e4m3 47.3 -> 41.7 ms (bfloat16 pool 60.9 and 59.8: 0.78 -> 0.70x; benchmarks/cpu/fp8_kv.py --walks
+// --baseline main).
+template <int Quads>
+inline void accumulate_many_paired(const float* weights, int64_t padded, const uint16_t* pairs, int64_t count,
+                                   int64_t stride, const float* rescales, int64_t n, float* acc, uint32_t* high,
+                                   uint32_t* low) {
+  const int64_t token_pairs = (count + 1) / 2;
+  for (int64_t tile = 0; tile < n; tile += 16)
+    for (int64_t p = 0; p < token_pairs; ++p) {
+      const __m512 first = _mm512_loadu_ps(weights + 2 * p * padded + tile);
+      const __m512 second =
+          2 * p + 1 < count ? _mm512_loadu_ps(weights + (2 * p + 1) * padded + tile) : _mm512_setzero_ps();
+      const __m256bh first_high = _mm512_cvtneps_pbh(first), second_high = _mm512_cvtneps_pbh(second);
+      const __m512i first_wide = _mm512_cvtepu16_epi32((__m256i)first_high);
+      const __m512i second_wide = _mm512_cvtepu16_epi32((__m256i)second_high);
+      const __m256bh first_low =
+          _mm512_cvtneps_pbh(_mm512_sub_ps(first, _mm512_castsi512_ps(_mm512_slli_epi32(first_wide, 16))));
+      const __m256bh second_low =
+          _mm512_cvtneps_pbh(_mm512_sub_ps(second, _mm512_castsi512_ps(_mm512_slli_epi32(second_wide, 16))));
+      _mm512_storeu_si512(high + p * padded + tile, _mm512_or_si512(first_wide, _mm512_slli_epi32(second_wide, 16)));
+      _mm512_storeu_si512(low + p * padded + tile,
+                          _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)first_low),
+                                          _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)second_low), 16)));
+    }
+  for (int64_t r = 0; r < n; ++r)
+    accumulate_paired<Quads>(high + r, low + r, pairs, stride, count, rescales[r], acc + r * 64 * Quads, padded);
+}
+#endif
+
 template <typename Cache>
 void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Cache>& pool, const int64_t* blocks,
                int64_t length, Scratch& s, float* maxes, float* sums, float* acc, const uint32_t* paired = nullptr,
@@ -552,15 +596,23 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
     const float* k = nullptr;
     const float* v = nullptr;
     const uint16_t* pair_keys = nullptr;
-    if (paired) {  // the keys stay bfloat16 (an FP8 pool's are narrowed to it); only the values are widened
+    bool values_paired = false;  // an FP8 block's values as bfloat16 pairs (accumulate_many_paired)
+    if (paired) {  // the keys stay bfloat16 (an FP8 pool's are narrowed to it); the values widened or paired
       if constexpr (kFp8<Cache>) {
         narrow_to_bfloat16(raw_keys, s.narrow_keys.data(), s.keys.data(), count * stride);
         pair_keys = s.narrow_keys.data();
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+        values_paired = dim == 64 || dim == 128 || dim == 256;
+        if (values_paired)
+          pair_values(pool.v_cache + blocks[b] * pool.block_stride, stride, count, s.value_pairs.data());
+#endif
       } else if constexpr (std::is_same_v<Cache, uint16_t>) {
         pair_keys = raw_keys;
       }
-      widen(pool.v_cache + blocks[b] * pool.block_stride, s.values.data(), count * stride);
-      v = s.values.data();
+      if (!values_paired) {
+        widen(pool.v_cache + blocks[b] * pool.block_stride, s.values.data(), count * stride);
+        v = s.values.data();
+      }
     } else {
       std::tie(k, v) = as_float(pool.k_cache, pool.v_cache, blocks[b] * pool.block_stride, count * stride,
                                 s.keys.data(), s.values.data());
@@ -602,6 +654,21 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
         _mm512_storeu_ps(head_max + tile, running);
         _mm512_storeu_ps(head_sum + tile, _mm512_fmadd_ps(_mm512_loadu_ps(head_sum + tile), rescale, added));
       }
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+      if (values_paired) {
+        const uint16_t* pairs = s.value_pairs.data() + 2 * h * dim;
+        float* head_acc = acc + h * n * dim;
+        uint32_t* high = s.many_high.data();
+        uint32_t* low = s.many_low.data();
+        if (dim == 64)
+          accumulate_many_paired<1>(scores, padded, pairs, count, stride, rescales, n, head_acc, high, low);
+        else if (dim == 128)
+          accumulate_many_paired<2>(scores, padded, pairs, count, stride, rescales, n, head_acc, high, low);
+        else
+          accumulate_many_paired<4>(scores, padded, pairs, count, stride, rescales, n, head_acc, high, low);
+        continue;
+      }
+#endif
       accumulate_many(scores, padded, v + h * dim, count, stride, rescales, n, acc + h * n * dim, dim);
     }
   }
@@ -910,10 +977,11 @@ inline __m512 score_sixteen_paired(const __m512bh* query, const uint16_t* keys, 
 }
 
 // acc[0:dim] = acc * rescale + sum over t of weight t * value t, the weights as bfloat16 pairs of adjacent tokens
-// (`high`, `low` [count rounded up to even]), the values as pairs [token pair][stride][2] (`pairs` at this head).
+// (`high`, `low` [count rounded up to even], `weight_stride` apart), the values as pairs [token pair][stride][2]
+// (`pairs` at this head).
 template <int Quads>
 inline void accumulate_paired(const uint32_t* high, const uint32_t* low, const uint16_t* pairs, int64_t stride,
-                              int64_t count, float rescale, float* acc) {
+                              int64_t count, float rescale, float* acc, int64_t weight_stride) {
   const __m512 factor = _mm512_set1_ps(rescale);
   for (int q = 0; q < Quads; ++q) {
     __m512 upper[4], lower[4];
@@ -922,8 +990,8 @@ inline void accumulate_paired(const uint32_t* high, const uint32_t* low, const u
       lower[c] = _mm512_setzero_ps();
     }
     for (int64_t p = 0; p < (count + 1) / 2; ++p) {
-      const __m512bh h = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(high[p]));
-      const __m512bh l = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(low[p]));
+      const __m512bh h = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(high[p * weight_stride]));
+      const __m512bh l = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(low[p * weight_stride]));
       const uint16_t* values = pairs + 2 * (p * stride + 64 * q);
       for (int c = 0; c < 4; ++c) {
         const __m512bh value = (__m512bh)_mm512_loadu_si512(values + 32 * c);
@@ -1000,7 +1068,7 @@ void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, co
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(low),
                               (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(weight, widened)));
           accumulate_paired<Quads>(reinterpret_cast<const uint32_t*>(high), reinterpret_cast<const uint32_t*>(low),
-                                   pairs + 2 * (t * stride + h * dim), stride, tokens, rescale, acc + state * dim);
+                                   pairs + 2 * (t * stride + h * dim), stride, tokens, rescale, acc + state * dim, 1);
         }
       }
     }
@@ -1147,6 +1215,8 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
     if (kPairs && (std::is_same_v<Cache, uint16_t> || kFp8<Cache>)) s.pairs.resize(kv_heads * (dim / 2) * padded);
     if (kPairs && kFp8<Cache>) s.narrow_keys.resize(block * pool.token_stride);
     if (kPairedFew && kFp8<Cache>) {
+      s.many_high.resize((block + 1) / 2 * padded);
+      s.many_low.resize((block + 1) / 2 * padded);
       s.value_pairs.resize((block + 1) / 2 * 2 * pool.token_stride);
       s.weight_pairs.resize(32);
       s.query_pairs.resize(kv_heads * padded * dim);
