@@ -4,13 +4,16 @@ batchprefill-eval, lm-eval's `hf` backend, and vLLM's CPU build called as lm-eva
     python benchmarks/peers/eval_mc.py --subjects 8 --questions 64 --out benchmarks/results/eval_mc.json  # 8 x 64 = 512
     python benchmarks/peers/eval_mc.py --subjects 2 --questions 8 --skip-vllm                       # a quick look
     python benchmarks/peers/eval_mc.py --dtype bfloat16 --kv-cache-dtypes auto,fp8,fp8_e5m2 --skip-hf --skip-vllm
+    python benchmarks/peers/eval_mc.py --kind facts --kv-cache-dtypes auto,fp8 --skip-hf --skip-vllm  # above chance
 
 Every engine gets the same model folder (the shipped SmolLM2-135M, `--dtype`, CPU) and the same tasks: one lm-eval
 task per subject, written here as local YAMLs over JSONL (`--include_path`), the first 5 questions of a subject
-its shots (`fewshot_config: sampler: first_n`). vLLM gets the (context, continuation) token ids lm-eval's
-tokenization gives, one request each, `prompt_logprobs=1`, `max_tokens=1`; its own counters say what it cached.
-Prompt tokens: `ideal` is each distinct context once plus every choice's tokens; batchprefill reports what its
-engine computed (a choice's last token needs no KV, and headers are shared across a subject's contexts).
+its shots (`fewshot_config: sampler: first_n`). `--kind words` (the default): random words, four lettered
+choices, the model at chance; `--kind facts`: `mc_facts.py`'s questions the model answers above chance, each choice's
+own text the continuation (as lm-eval's ARC), so `acc_norm` is reported too. vLLM gets the (context, continuation)
+token ids lm-eval's tokenization gives, one request each, `prompt_logprobs=1`, `max_tokens=1`; its own counters say
+what it cached. Prompt tokens: `ideal` is each distinct context once plus every choice's tokens; batchprefill reports
+what its engine computed (a choice's last token needs no KV, and headers are shared across a subject's contexts).
 
 `--kv-cache-dtypes A,B,...`: batchprefill-eval once per KV cache dtype (`engine.kv_cache_dtype` in --model_args), and
 a table of every lm-eval metric per task and over all questions, each KV dtype's beside the first's with the
@@ -35,6 +38,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))  # benchmarks/: workloads
 
+from mc_facts import SUBJECTS, questions  # noqa: E402
 from workloads import VLLM_PYTHON, cpu_model  # noqa: E402
 
 WORDS = ["river", "mountain", "city", "planet", "engine", "number", "colour", "animal", "metal", "forest", "ocean",
@@ -60,10 +64,33 @@ doc_to_target: answer
 metric_list:
   - metric: acc
 """
+FACTS_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    train: {shots}
+    test: {data}
+output_type: multiple_choice
+training_split: train
+fewshot_split: train
+test_split: test
+num_fewshot: 5
+fewshot_config:
+  sampler: first_n
+description: "The following are questions about {subject}.\\n\\n"
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
 
 
-def write_tasks(folder: Path, subjects: int, questions: int, seed: int) -> list[str]:
+def write_tasks(folder: Path, subjects: int, questions: int, seed: int, kind: str = "words") -> list[str]:
     """One task per subject; `questions` test questions each, after 5 shots."""
+    if kind == "facts":
+        return write_fact_tasks(folder, subjects, questions, seed)
     rng = random.Random(seed)
     names = []
     for s in range(subjects):
@@ -78,6 +105,25 @@ def write_tasks(folder: Path, subjects: int, questions: int, seed: int) -> list[
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         name = f"bench_mc_{s}"
         (folder / f"{name}.yaml").write_text(TASK_YAML.format(name=name, data=data, subject=subject))
+        names.append(name)
+    return names
+
+
+def write_fact_tasks(folder: Path, subjects: int, count: int, seed: int) -> list[str]:
+    """`mc_facts.py`'s first `subjects` subjects as tasks: 5 shots in one file, `count` other questions in another
+    (the words kind's single file puts its shots among the test questions, each shot scored with its own answer in
+    its context)."""
+    if subjects > len(SUBJECTS):
+        raise SystemExit(f"--kind facts has {len(SUBJECTS)} subjects; ask for at most that many")
+    names = []
+    for s, subject in enumerate(list(SUBJECTS)[:subjects]):
+        rows = [json.dumps({"question": q, "choices": c, "answer": a}) + "\n"
+                for q, c, a in questions(subject, count + 5, seed + s)]
+        shots, tests = folder / f"facts_{s}_shots.jsonl", folder / f"facts_{s}.jsonl"
+        shots.write_text("".join(rows[:5]))
+        tests.write_text("".join(rows[5:]))
+        name = f"bench_facts_{s}"
+        (folder / f"{name}.yaml").write_text(FACTS_YAML.format(name=name, shots=shots, data=tests, subject=subject))
         names.append(name)
     return names
 
@@ -159,6 +205,8 @@ def main() -> None:
     parser.add_argument("--subjects", type=int, default=8)
     parser.add_argument("--questions", type=int, default=64, help="test questions per subject (after 5 shots)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kind", default="words", choices=["words", "facts"],
+                        help="random words (the model at chance) or mc_facts.py's questions (above chance)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bp-eval-mc"))
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
@@ -173,13 +221,13 @@ def main() -> None:
 
     model_folder = resolve_folder(None)
     args.work.mkdir(parents=True, exist_ok=True)
-    tasks = write_tasks(args.work, args.subjects, args.questions, args.seed)
+    tasks = write_tasks(args.work, args.subjects, args.questions, args.seed, args.kind)
     limit = args.questions + 5  # lm-eval's --limit counts test docs; the shots are docs of the same file
     pairs = loglikelihood_pairs(args.work, tasks, limit, model_folder)
     contexts = {tuple(c) for c, _ in pairs}
     ideal = sum(map(len, contexts)) + sum(len(x) for _, x in pairs)
-    report: dict = {"questions": len(pairs) // 4, "requests": len(pairs), "ideal_prompt_tokens": ideal,
-                    "prompt_tokens_without_reuse": sum(len(c) + len(x) for c, x in pairs)}
+    report: dict = {"kind": args.kind, "questions": len(pairs) // 4, "requests": len(pairs),
+                    "ideal_prompt_tokens": ideal, "prompt_tokens_without_reuse": sum(len(c) + len(x) for c, x in pairs)}
     model_args = f"pretrained={model_folder},dtype={args.dtype}"
     runs: dict[str, dict] = {}
     for kv in args.kv_cache_dtypes.split(","):
