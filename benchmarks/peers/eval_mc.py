@@ -48,26 +48,6 @@ TASK_YAML = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
-    train: {data}
-    test: {data}
-output_type: multiple_choice
-training_split: train
-fewshot_split: train
-test_split: test
-num_fewshot: 5
-fewshot_config:
-  sampler: first_n
-description: "The following are multiple choice questions about {subject}.\\n\\n"
-doc_to_text: "{{{{question}}}}{{% for c in choices %}}\\n{{{{'ABCD'[loop.index0]}}}}. {{{{c}}}}{{% endfor %}}\\nAnswer:"
-doc_to_choice: ["A", "B", "C", "D"]
-doc_to_target: answer
-metric_list:
-  - metric: acc
-"""
-FACTS_YAML = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
     train: {shots}
     test: {data}
 output_type: multiple_choice
@@ -77,9 +57,17 @@ test_split: test
 num_fewshot: 5
 fewshot_config:
   sampler: first_n
-description: "The following are questions about {subject}.\\n\\n"
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
+description: "{description}\\n\\n"
+{format}"""
+# the words kind: four lettered choices after the question; the facts kind: each choice's own text (as ARC)
+LETTERED = """doc_to_text: "{{question}}{% for c in choices %}\\n{{'ABCD'[loop.index0]}}. {{c}}{% endfor %}\\nAnswer:"
+doc_to_choice: ["A", "B", "C", "D"]
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+CLOZE = """doc_to_text: "Question: {{question}}\\nAnswer:"
+doc_to_choice: "{{choices}}"
 doc_to_target: answer
 metric_list:
   - metric: acc
@@ -104,7 +92,9 @@ def write_tasks(folder: Path, subjects: int, questions: int, seed: int, kind: st
         data = folder / f"mc_{s}.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         name = f"bench_mc_{s}"
-        (folder / f"{name}.yaml").write_text(TASK_YAML.format(name=name, data=data, subject=subject))
+        (folder / f"{name}.yaml").write_text(TASK_YAML.format(
+            name=name, shots=data, data=data, format=LETTERED,
+            description=f"The following are multiple choice questions about {subject}."))
         names.append(name)
     return names
 
@@ -123,7 +113,9 @@ def write_fact_tasks(folder: Path, subjects: int, count: int, seed: int) -> list
         shots.write_text("".join(rows[:5]))
         tests.write_text("".join(rows[5:]))
         name = f"bench_facts_{s}"
-        (folder / f"{name}.yaml").write_text(FACTS_YAML.format(name=name, shots=shots, data=tests, subject=subject))
+        (folder / f"{name}.yaml").write_text(TASK_YAML.format(
+            name=name, shots=shots, data=tests, format=CLOZE,
+            description=f"The following are questions about {subject}."))
         names.append(name)
     return names
 
