@@ -19,6 +19,8 @@ what its engine computed (a choice's last token needs no KV, and headers are sha
 a table of every lm-eval metric per task and over all questions, each KV dtype's beside the first's with the
 difference in points (issue 40's goal: FP8 KV within 1 point of the model dtype's KV), and how many questions keep
 the first's pick (its highest-scoring choice) with the largest change of a log-likelihood (lm-eval's samples).
+Unless `--skip-vllm`, vLLM runs the same pairs once per KV dtype too (its own `kv_cache_dtype` names), and its `acc`
+is computed from its log-likelihoods as lm-eval would (the highest choice against the document's target).
 """
 
 from __future__ import annotations
@@ -173,15 +175,16 @@ def kv_comparison(runs: dict[str, dict], tasks: list[str]) -> str:
     return "\n".join(lines)
 
 
-def loglikelihood_pairs(folder: Path, tasks: list[str], limit: int, model_folder: Path) -> list:
-    """The (context, continuation) token ids lm-eval's `hf` backend would score, from lm-eval's own task code."""
+def loglikelihood_pairs(folder: Path, tasks: list[str], limit: int, model_folder: Path) -> tuple[list, list]:
+    """The (context, continuation) token ids lm-eval's `hf` backend would score, from lm-eval's own task code, and
+    each pair's (task, document, choice, the document's right choice), to score another engine's log-likelihoods."""
     from lm_eval.tasks import TaskManager, get_task_dict
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(model_folder / "tokenizer.json"))
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
-    pairs = []
-    for task in get_task_dict(tasks, TaskManager(include_path=str(folder))).values():
+    pairs, keys = [], []
+    for name, task in get_task_dict(tasks, TaskManager(include_path=str(folder))).items():
         task.build_all_requests(limit=limit, rank=0, world_size=1)
         for instance in task.instances:
             context, continuation = instance.args
@@ -189,7 +192,33 @@ def loglikelihood_pairs(folder: Path, tasks: list[str], limit: int, model_folder
             context, continuation = context[: len(context) - spaces], context[len(context) - spaces:] + continuation
             whole, alone = encode(context + continuation), encode(context)
             pairs.append([alone, whole[len(alone):]])
-    return pairs
+            keys.append((name, instance.doc_id, instance.idx, task.doc_to_target(instance.doc)))
+    return pairs, keys
+
+
+def accuracy(loglikelihoods: list[float], keys: list[tuple], tasks: list[str]) -> dict[str, float]:
+    """lm-eval's `acc` from another engine's log-likelihoods: per task, the share of documents whose highest choice
+    is the right one; "all" is the mean over tasks (each has as many questions)."""
+    best: dict[tuple[str, int], tuple[float, int, int]] = {}
+    for value, (task, doc, choice, target) in zip(loglikelihoods, keys, strict=True):
+        if (task, doc) not in best or value > best[task, doc][0]:
+            best[task, doc] = (value, choice, target)
+    acc = {t: sum(c == r for (task, _), (_, c, r) in best.items() if task == t)
+           / sum(task == t for task, _ in best) for t in tasks}
+    return {**acc, "all": sum(acc.values()) / len(acc)}
+
+
+def run_vllm(args: argparse.Namespace, requests: Path, model_folder: Path, kv: str) -> dict:
+    """vLLM's CPU build over the same pairs with its `kv_cache_dtype`; its figures and log-likelihoods."""
+    start = time.perf_counter()
+    done = subprocess.run([str(args.vllm_python), str(HERE / "peer_vllm_loglik.py"), "--requests", str(requests),
+                           "--model", str(model_folder), "--pool-tokens", "65536", "--dtype", args.dtype,
+                           "--kv-cache-dtype", kv], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"vllm failed: {done.stderr[-2000:]}")
+    # vLLM logs to stdout too: the figures are the one line that is a JSON object with an "engine" key
+    vllm = next(json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"engine"'))
+    return {**vllm, "total_seconds": time.perf_counter() - start}
 
 
 def main() -> None:
@@ -215,7 +244,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     tasks = write_tasks(args.work, args.subjects, args.questions, args.seed, args.kind)
     limit = args.questions + 5  # lm-eval's --limit counts test docs; the shots are docs of the same file
-    pairs = loglikelihood_pairs(args.work, tasks, limit, model_folder)
+    pairs, keys = loglikelihood_pairs(args.work, tasks, limit, model_folder)
     contexts = {tuple(c) for c, _ in pairs}
     ideal = sum(map(len, contexts)) + sum(len(x) for _, x in pairs)
     report: dict = {"kind": args.kind, "questions": len(pairs) // 4, "requests": len(pairs),
@@ -250,17 +279,13 @@ def main() -> None:
     if not args.skip_vllm:
         requests = args.work / "vllm_requests.json"
         requests.write_text(json.dumps(pairs))
-        start = time.perf_counter()
-        done = subprocess.run([str(args.vllm_python), str(HERE / "peer_vllm_loglik.py"), "--requests", str(requests),
-                               "--model", str(model_folder), "--pool-tokens", "65536",
-                               "--dtype", args.dtype],
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"vllm failed: {done.stderr[-2000:]}")
-        # vLLM logs to stdout too: the figures are the one line that is a JSON object with an "engine" key
-        vllm = next(json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"engine"'))
-        vllm.pop("loglikelihoods")
-        report["vllm"] = {**vllm, "total_seconds": time.perf_counter() - start}
+        report["vllm"] = {}
+        for kv in args.kv_cache_dtypes.split(","):  # vLLM's names: auto, fp8, fp8_e4m3, fp8_e5m2 (bfloat16 too)
+            vllm = run_vllm(args, requests, model_folder, kv)
+            vllm["acc"] = accuracy(vllm.pop("loglikelihoods"), keys, tasks)
+            report["vllm"][kv] = vllm
+            print(f"vllm {kv}: {vllm['wall_seconds']:.1f} s, acc over all {vllm['acc']['all']:.4f}", file=sys.stderr,
+                  flush=True)
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))

@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=32, help="its CPU attention needs a multiple of 32")
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype: auto, fp8, fp8_e5m2, ...")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CACHE_ROOT", "/tmp/vllm-cache")
@@ -40,7 +41,8 @@ def main() -> None:
     llm = LLM(model=str(args.model), dtype=args.dtype, enforce_eager=True, seed=0, enable_prefix_caching=True,
               enable_chunked_prefill=True, block_size=args.block_size, max_num_batched_tokens=args.max_batched_tokens,
               max_model_len=2048, num_gpu_blocks_override=args.pool_tokens // args.block_size + 1,
-              gpu_memory_utilization=0.5, disable_log_stats=False)
+              gpu_memory_utilization=0.5, disable_log_stats=False,
+              kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=c + x) for c, x in pairs], params, use_tqdm=False)
