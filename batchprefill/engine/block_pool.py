@@ -70,8 +70,8 @@ class BlockPool:
                 del self.cached[self.keys[block]]
                 self.keys[block] = None
                 self.evictions += 1
+            self.ref_counts[block] = 1  # one by one: an admission takes 1-3 blocks, where an array call costs more
             blocks.append(block)
-        self.ref_counts[blocks] = 1
         return blocks
 
     def unreferenced(self, blocks: np.ndarray) -> int:
@@ -87,7 +87,7 @@ class BlockPool:
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop a request's references, deepest block first, so deep blocks are evicted before shallow ones."""
-        deepest_first = np.array(blocks[::-1], dtype=np.int64)
+        deepest_first = np.fromiter(reversed(blocks), np.int64, len(blocks))
         refs = self.ref_counts[deepest_first] - 1
         self.ref_counts[deepest_first] = refs
         for block in deepest_first[refs == 0].tolist():
