@@ -87,8 +87,10 @@ class PrefixCache:
         if not request.reuse_prefix:
             return NO_BLOCKS, False
         matchable = (request.num_tokens - 1) // self.block_size
-        keys = self.keys(request, matchable)
-        hits = np.fromiter(takewhile(_is_block, map(self.pool.cached.get, keys[:matchable])), np.int64)
+        keys, lookup = self.keys(request, matchable), self.pool.cached.get
+        if not matchable or lookup(keys[0]) is None:  # nothing cached (a group's first block still in flight)
+            return NO_BLOCKS, matchable > 0 and keys[0] in self.in_flight
+        hits = np.fromiter(takewhile(_is_block, map(lookup, keys[:matchable])), np.int64)
         return hits, len(hits) < matchable and keys[len(hits)] in self.in_flight
 
     @staticmethod
