@@ -2,6 +2,7 @@
 choose exactly what the per-block Python loops they replaced chose (hypothesis, no model): the same blocks
 allocated, the same LRU order of reclaimable blocks, the same evictions, the same hits."""
 
+import hashlib
 from collections import OrderedDict, deque
 
 import numpy as np
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchprefill.engine.block_pool import BlockPool
-from batchprefill.engine.prefix_cache import PrefixCache
+from batchprefill.engine.prefix_cache import PrefixCache, block_key
 from batchprefill.engine.request import Request
 from batchprefill.sampling_params import SamplingParams
 
@@ -123,3 +124,10 @@ def test_match_is_the_longest_cached_prefix(num_blocks: int, cached: list[bool],
         expected.append(pool.cached[key])
     assert hits.tolist() == expected
     assert waits == (len(expected) < num_blocks and len(expected) == in_flight)
+
+
+@given(parent=st.binary(min_size=16, max_size=16), tokens=st.lists(st.integers(0, 2**31 - 1), max_size=32))
+def test_block_key_hashes_the_tokens_as_int64(parent: bytes, tokens: list[int]) -> None:
+    """The key is the one numpy's int64 bytes gave: keys are the same whichever way the bytes are made."""
+    expected = hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+    assert block_key(parent, tokens) == expected

