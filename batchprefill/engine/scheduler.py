@@ -119,10 +119,11 @@ class Scheduler:
         total = int(need.sum())
         if total > self.pool.num_available:
             return self._decodes_one_by_one(most)
-        if total:
-            for index in np.flatnonzero(need).tolist():
-                request = running[positions[index]]
-                request.block_table.extend(self.pool.allocate(int(need[index])))
+        if total:  # one allocation for them all, handed out in order: the blocks each would have taken in turn
+            blocks, start = self.pool.allocate(total), 0
+            for index, count in zip(np.flatnonzero(need).tolist(), need[need > 0].tolist()):
+                running[positions[index]].block_table.extend(blocks[start : start + count])
+                start += count
             rows.blocks[taken] += need
             self._held_blocks += total
         if len(positions) == len(running):
@@ -232,11 +233,11 @@ class Scheduler:
                 # that find no room at fork time wait instead (see `fork`).
                 children = self._fork_growth(request) if self.running else 0
                 claim = max(need, self._final(request) - len(hits)) + children + reserved
-            if claim > self.pool.num_available - sum(self.pool.ref_counts[b] == 0 for b in hits):
+            if claim > self.pool.num_available - self.pool.unreferenced(hits):
                 self.waiting.appendleft(request)
                 break
             self.pool.acquire(hits)
-            request.block_table = hits + self.pool.allocate(need)
+            request.block_table = hits.tolist() + self.pool.allocate(need)
             self._held_blocks += len(request.block_table)
             self._final_blocks += self._final(request)
             if self.reserve_growth:

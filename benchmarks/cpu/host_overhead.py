@@ -11,7 +11,8 @@ layers, attention and the backend's per-step attention plan): everything the eng
 the scheduler, building the runner's metadata, sampling, appending tokens, stop checks, statistics. The
 engine's own breakdown (stats columns schedule_ms, prepare_ms, sample_ms, bookkeeping_ms) is printed where
 the code has it. Steps with at least 200 running sequences are the ones reported; of them, the decode-only steps
-(no prompt token: the step the issue 38 H200 figure is, 2.1 ms of host work at 511 sequences) also alone.
+(no prompt token: the step the issue 38 H200 figure is, 2.1 ms of host work at 511 sequences) and the steps that
+admitted a waiting request also alone.
 
 `--seqs N` runs up to N sequences a step with a budget of 8N tokens (256 and 2,048 by default) and reports the
 steps with at least 200N/256 of them. `--stub-forward` replaces the model's forward by a stub that returns a fixed
@@ -155,31 +156,47 @@ def measure(seqs: int, stub: bool) -> dict:
                                                           pa.chunked_array([[""] * len(prompts)]), 16))
     except ImportError:  # revisions before the link
         pass
+    # Which steps admitted a waiting request: running grows in `schedule` only by admission (and shrinks by
+    # preemption), so a step admitted (after - before + preempted) requests.
+    scheduler, admitted = engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def counted_schedule():
+        before, preempted = len(scheduler.running), scheduler.preemptions
+        step = schedule()
+        admitted.append(len(scheduler.running) - before + scheduler.preemptions - preempted)
+        return step
+
+    scheduler.schedule = counted_schedule
     start = time.perf_counter()
     finished = sum(1 for _ in engine.generate(requests))
     wall = time.perf_counter() - start
     assert finished == len(prompts)
     steps = engine.counters.steps
     assert len(steps) == len(forward_seconds), "one forward per step"
-    busy = [(s, f) for s, f in zip(steps, forward_seconds) if s.num_seqs >= MIN_SEQS_PER_256 * seqs // 256]
-    host = [s.duration_ms - 1e3 * f for s, f in busy]
+    assert len(steps) == len(admitted), "one schedule per step"
+    busy = [(s, f, a) for s, f, a in zip(steps, forward_seconds, admitted)
+            if s.num_seqs >= MIN_SEQS_PER_256 * seqs // 256]
+    host = [s.duration_ms - 1e3 * f for s, f, _ in busy]
     result = {"steps": len(steps), "busy_steps": len(busy), "wall_s": round(wall, 2),
-              "step_ms": round(statistics.mean(s.duration_ms for s, _ in busy), 2),
-              "forward_ms": round(1e3 * statistics.mean(f for _, f in busy), 2),
+              "step_ms": round(statistics.mean(s.duration_ms for s, _, _ in busy), 2),
+              "forward_ms": round(1e3 * statistics.mean(f for _, f, _ in busy), 2),
               "host_ms": round(statistics.mean(host), 2), "host_ms_median": round(statistics.median(host), 2),
-              "seqs": round(statistics.mean(s.num_seqs for s, _ in busy), 1)}
-    decode_only = [(s, f) for s, f in busy if s.num_prefill_tokens == 0]
-    if decode_only:
-        result["decode_only_steps"] = len(decode_only)
-        result["decode_only_host_ms_median"] = round(statistics.median(s.duration_ms - 1e3 * f
-                                                                       for s, f in decode_only), 3)
-        for phase in ("schedule_ms", "prepare_ms", "bookkeeping_ms"):
-            result["decode_only_" + phase[:-3] + "_median_ms"] = round(
-                statistics.median(getattr(s, phase) for s, _ in decode_only), 3)
+              "seqs": round(statistics.mean(s.num_seqs for s, _, _ in busy), 1)}
+    # The steps that admitted a waiting request (the prefix cache's match, the pool's allocation), and the
+    # decode-only ones (no prompt token), each alone.
+    for kind, chosen in (("admit", [(s, f) for s, f, a in busy if a > 0]),
+                         ("decode_only", [(s, f) for s, f, _ in busy if s.num_prefill_tokens == 0])):
+        if chosen:
+            result[kind + "_steps"] = len(chosen)
+            result[kind + "_host_ms_median"] = round(statistics.median(s.duration_ms - 1e3 * f for s, f in chosen), 3)
+            for phase in ("schedule_ms", "prepare_ms", "bookkeeping_ms"):
+                result[kind + "_" + phase[:-3] + "_median_ms"] = round(
+                    statistics.median(getattr(s, phase) for s, _ in chosen), 3)
     for phase in ("schedule_ms", "prepare_ms", "sample_ms", "bookkeeping_ms"):
         if hasattr(busy[0][0], phase):
-            result[phase] = round(statistics.mean(getattr(s, phase) for s, _ in busy), 3)
-            result[phase[:-3] + "_median_ms"] = round(statistics.median(getattr(s, phase) for s, _ in busy), 3)
+            result[phase] = round(statistics.mean(getattr(s, phase) for s, _, _ in busy), 3)
+            result[phase[:-3] + "_median_ms"] = round(statistics.median(getattr(s, phase) for s, _, _ in busy), 3)
     return result
 
 
@@ -200,11 +217,12 @@ def report(name: str, r: dict) -> None:
     print(f"{name:>10}: {r['busy_steps']} steps at {r['seqs']:.0f} seqs: step {r['step_ms']:.2f} ms = forward "
           f"{r['forward_ms']:.2f} + host {r['host_ms']:.2f} ms (median {r['host_ms_median']:.2f}; "
           f"{r['host_ms'] / r['step_ms']:.0%} of the step){'; ' + phases if phases else ''}")
-    if "decode_only_steps" in r:
-        phases = ", ".join(f"{phase} {r[f'decode_only_{phase}_median_ms']:.3f}"
-                           for phase in ("schedule", "prepare", "bookkeeping"))
-        print(f"{'':>10}  {r['decode_only_steps']} decode-only steps, medians: host "
-              f"{r['decode_only_host_ms_median']:.3f} ms; {phases}")
+    for kind, words in (("admit", "admitting"), ("decode_only", "decode-only")):
+        if kind + "_steps" in r:
+            phases = ", ".join(f"{phase} {r[f'{kind}_{phase}_median_ms']:.3f}"
+                               for phase in ("schedule", "prepare", "bookkeeping"))
+            print(f"{'':>10}  {r[kind + '_steps']} {words} steps, medians: host "
+                  f"{r[kind + '_host_ms_median']:.3f} ms; {phases}")
 
 
 def main() -> None:
