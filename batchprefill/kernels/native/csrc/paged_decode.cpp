@@ -589,9 +589,7 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
   float* rescales = s.rescales.data();
   for (int64_t b = 0; b * block < length; ++b) {
     const int64_t count = std::min(block, length - b * block);
-    if ((b + 1) * block < length)
-      prefetch(pool.k_cache, pool.v_cache, blocks[b + 1] * pool.block_stride,
-               std::min(block, length - (b + 1) * block) * stride);
+    const int64_t ahead = (b + 1) * block < length ? std::min(block, length - (b + 1) * block) * stride : 0;
     const Cache* raw_keys = pool.k_cache + blocks[b] * pool.block_stride;
     const float* k = nullptr;
     const float* v = nullptr;
@@ -618,6 +616,12 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
                                 s.keys.data(), s.values.data());
     }
     for (int64_t h = 0; h < pool.heads; ++h) {
+      // the next block requested a head's share at a time, as walk_few_paired does: all of it at once stalled on the
+      // outstanding misses (9 sets of 9 decodes over 448 shared tokens, one thread, 30 layers: e4m3 33.1 -> 30.5 ms,
+      // bfloat16 43.6 -> 41.1)
+      if (ahead > 0)
+        prefetch(pool.k_cache, pool.v_cache, blocks[b + 1] * pool.block_stride + h * ahead / pool.heads,
+                 ahead / pool.heads);
       const float* query = transposed + h * dim * padded;
       const uint32_t* pairs = paired ? paired + h * (dim / 2) * padded : nullptr;
       const float* key = k ? k + h * dim : nullptr;
