@@ -932,6 +932,8 @@ void walk_few(const float* query, int64_t n, const Pool<Cache>& pool, const int6
   }
 }
 
+constexpr int64_t kFewRows = 4;  // walk_few_paired's rows side by side
+
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 // walk_few over an FP8 pool for bfloat16 queries, as bfloat16 pair products (VDPBF16PS): each block's keys converted
 // by the byte tables to bfloat16 (a block at a time, into an L1 buffer the rows share), its values to pairs of
@@ -1038,8 +1040,7 @@ void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, co
   const int64_t block = pool.block, stride = pool.token_stride, heads = pool.heads;
   uint16_t* keys = s.narrow_keys.data();
   uint16_t* pairs = s.value_pairs.data();
-  uint16_t* high = s.weight_pairs.data();
-  uint16_t* low = high + 16;
+  uint16_t* weights = s.weight_pairs.data();  // [kFewRows][high, low][16]
   for (int64_t b = 0; b * block < length; ++b) {
     const int64_t count = std::min(block, length - b * block);
     const int64_t offset = blocks[b] * pool.block_stride;
@@ -1050,29 +1051,44 @@ void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, co
     for (int64_t h = 0; h < heads; ++h) {
       if (ahead > 0)
         prefetch(pool.k_cache, pool.v_cache, blocks[b + 1] * pool.block_stride + h * ahead / heads, ahead / heads);
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t state = h * n + r;
-        __m512bh row[2 * Quads];
-        for (int i = 0; i < 2 * Quads; ++i) row[i] = (__m512bh)_mm512_loadu_si512(query + state * dim + 32 * i);
+      // up to kFewRows rows at a time, each step for all of them before the next: one row's scores, softmax and
+      // values are a chain of dependent steps (reductions, a scalar exp), and side by side the rows' chains overlap
+      // (81 decodes' own 48 tokens after their sets' shared walks, e4m3, one thread, 30 layers: 10.6 -> 9.7 ms)
+      for (int64_t first = 0; first < n; first += kFewRows) {
+        const int64_t rows = std::min(kFewRows, n - first);
         // 16 tokens at a time, their scores and weights in registers: stored and loaded again (masked stores, which
         // do not forward to loads) they stalled the walk
         for (int64_t t = 0; t < count; t += 16) {
           const int64_t tokens = std::min<int64_t>(16, count - t);
-          const __m512 score = score_sixteen_paired<Quads>(row, keys + t * stride + h * dim, stride, tokens, scale);
-          const float running = std::max(maxes[state], _mm512_reduce_max_ps(score));
-          const float rescale = exp_nonpositive(maxes[state] - running);
-          maxes[state] = running;
-          // exp(-inf - running) is exp_nonpositive's floor, 2^-126, not 0: the lanes past count are cleared
           const __mmask16 lanes = tokens >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << tokens) - 1);
-          const __m512 weight = _mm512_maskz_mov_ps(lanes, exp_nonpositive(_mm512_sub_ps(score, _mm512_set1_ps(running))));
-          sums[state] = sums[state] * rescale + _mm512_reduce_add_ps(weight);
-          const __m256bh upper = _mm512_cvtneps_pbh(weight);  // each weight as bfloat16 high + low
-          const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)upper), 16));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(high), (__m256i)upper);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(low),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(weight, widened)));
-          accumulate_paired<Quads>(reinterpret_cast<const uint32_t*>(high), reinterpret_cast<const uint32_t*>(low),
-                                   pairs + 2 * (t * stride + h * dim), stride, tokens, rescale, acc + state * dim, 1);
+          __m512 score[kFewRows];
+          float rescale[kFewRows];
+          for (int64_t r = 0; r < rows; ++r) {
+            __m512bh row[2 * Quads];
+            for (int i = 0; i < 2 * Quads; ++i)
+              row[i] = (__m512bh)_mm512_loadu_si512(query + (h * n + first + r) * dim + 32 * i);
+            score[r] = score_sixteen_paired<Quads>(row, keys + t * stride + h * dim, stride, tokens, scale);
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t state = h * n + first + r;
+            const float running = std::max(maxes[state], _mm512_reduce_max_ps(score[r]));
+            rescale[r] = exp_nonpositive(maxes[state] - running);
+            maxes[state] = running;
+            // exp(-inf - running) is exp_nonpositive's floor, 2^-126, not 0: the lanes past count are cleared
+            const __m512 weight =
+                _mm512_maskz_mov_ps(lanes, exp_nonpositive(_mm512_sub_ps(score[r], _mm512_set1_ps(running))));
+            sums[state] = sums[state] * rescale[r] + _mm512_reduce_add_ps(weight);
+            const __m256bh upper = _mm512_cvtneps_pbh(weight);  // each weight as bfloat16 high + low
+            const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)upper), 16));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + 32 * r), (__m256i)upper);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + 32 * r + 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(weight, widened)));
+          }
+          for (int64_t r = 0; r < rows; ++r)
+            accumulate_paired<Quads>(reinterpret_cast<const uint32_t*>(weights + 32 * r),
+                                     reinterpret_cast<const uint32_t*>(weights + 32 * r + 16),
+                                     pairs + 2 * (t * stride + h * dim), stride, tokens, rescale[r],
+                                     acc + (h * n + first + r) * dim, 1);
         }
       }
     }
@@ -1222,7 +1238,7 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
       s.many_high.resize((block + 1) / 2 * padded);
       s.many_low.resize((block + 1) / 2 * padded);
       s.value_pairs.resize((block + 1) / 2 * 2 * pool.token_stride);
-      s.weight_pairs.resize(32);
+      s.weight_pairs.resize(32 * kFewRows);
       s.query_pairs.resize(kv_heads * padded * dim);
     }
     std::vector<float> state(kv_heads * padded * (2 + dim));
