@@ -538,13 +538,48 @@ inline void score_head(const float* transposed, const uint32_t* paired, int64_t 
   score_tiles<Tiles>(transposed, padded, tile, k, stride, count, dim, scores);
 }
 
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 // Defined with walk_few_paired below.
 template <int Quads>
 inline void accumulate_paired(const uint32_t* high, const uint32_t* low, const uint16_t* pairs, int64_t stride,
                               int64_t count, float rescale, float* acc, int64_t weight_stride);
 template <typename Fp8>
 inline void pair_values(const Fp8* values, int64_t stride, int64_t count, uint16_t* pairs);
+
+// accumulate_paired for two adjacent rows (weights 1 apart, outputs dim apart), each value vector loaded once for both.
+// With exponentiate_pairs below, 9 sets of 9 decodes over 448 shared tokens, e4m3, one thread, 30 layers: 30.7 -> 29.3
+// ms (28.5 -> 27.0 in cache), the same bits; each alone took about half of that.
+template <int Quads>
+inline void accumulate_paired_two(const uint32_t* high, const uint32_t* low, const uint16_t* pairs, int64_t stride,
+                                  int64_t count, const float* rescales, float* acc, int64_t weight_stride) {
+  constexpr int64_t dim = 64 * Quads;
+  for (int q = 0; q < Quads; ++q) {
+    __m512 upper[2][4], lower[2][4];
+    for (int r = 0; r < 2; ++r)
+      for (int c = 0; c < 4; ++c) {
+        upper[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + 64 * q + 16 * c), _mm512_set1_ps(rescales[r]));
+        lower[r][c] = _mm512_setzero_ps();
+      }
+    for (int64_t p = 0; p < (count + 1) / 2; ++p) {
+      __m512bh h[2], l[2];
+      for (int r = 0; r < 2; ++r) {
+        h[r] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(high[p * weight_stride + r]));
+        l[r] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(low[p * weight_stride + r]));
+      }
+      const uint16_t* values = pairs + 2 * (p * stride + 64 * q);
+      for (int c = 0; c < 4; ++c) {
+        const __m512bh value = (__m512bh)_mm512_loadu_si512(values + 32 * c);
+        for (int r = 0; r < 2; ++r) {
+          upper[r][c] = _mm512_dpbf16_ps(upper[r][c], value, h[r]);
+          lower[r][c] = _mm512_dpbf16_ps(lower[r][c], value, l[r]);
+        }
+      }
+    }
+    for (int r = 0; r < 2; ++r)
+      for (int c = 0; c < 4; ++c)
+        _mm512_storeu_ps(acc + r * dim + 64 * q + 16 * c, _mm512_add_ps(upper[r][c], lower[r][c]));
+  }
+}
 
 // walk_many's values over an FP8 pool as walk_few_paired takes them: the block's values as bfloat16 pairs of tokens
 // (`pairs`, this head's), each row's weights split into a high and a low bfloat16 (16 rows per conversion), so one
@@ -554,29 +589,41 @@ inline void pair_values(const Fp8* values, int64_t stride, int64_t count, uint16
 // Zen 4: e4m3 47.3 -> 41.7 ms (bfloat16 pool 60.9 and 59.8: 0.78 -> 0.70x; benchmarks/cpu/fp8_kv.py --walks
 // --baseline main).
 template <int Quads>
-inline void accumulate_many_paired(const float* weights, int64_t padded, const uint16_t* pairs, int64_t count,
-                                   int64_t stride, const float* rescales, int64_t n, float* acc, uint32_t* high,
-                                   uint32_t* low) {
-  const int64_t token_pairs = (count + 1) / 2;
-  for (int64_t tile = 0; tile < n; tile += 16)
-    for (int64_t p = 0; p < token_pairs; ++p) {
-      const __m512 first = _mm512_loadu_ps(weights + 2 * p * padded + tile);
-      const __m512 second =
-          2 * p + 1 < count ? _mm512_loadu_ps(weights + (2 * p + 1) * padded + tile) : _mm512_setzero_ps();
-      const __m256bh first_high = _mm512_cvtneps_pbh(first), second_high = _mm512_cvtneps_pbh(second);
-      const __m512i first_wide = _mm512_cvtepu16_epi32((__m256i)first_high);
-      const __m512i second_wide = _mm512_cvtepu16_epi32((__m256i)second_high);
-      const __m256bh first_low =
-          _mm512_cvtneps_pbh(_mm512_sub_ps(first, _mm512_castsi512_ps(_mm512_slli_epi32(first_wide, 16))));
-      const __m256bh second_low =
-          _mm512_cvtneps_pbh(_mm512_sub_ps(second, _mm512_castsi512_ps(_mm512_slli_epi32(second_wide, 16))));
-      _mm512_storeu_si512(high + p * padded + tile, _mm512_or_si512(first_wide, _mm512_slli_epi32(second_wide, 16)));
-      _mm512_storeu_si512(low + p * padded + tile,
-                          _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)first_low),
-                                          _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)second_low), 16)));
-    }
-  for (int64_t r = 0; r < n; ++r)
+inline void accumulate_many_paired(const uint32_t* high, const uint32_t* low, int64_t padded, const uint16_t* pairs,
+                                   int64_t count, int64_t stride, const float* rescales, int64_t n, float* acc) {
+  int64_t r = 0;
+  for (; r + 2 <= n; r += 2)
+    accumulate_paired_two<Quads>(high + r, low + r, pairs, stride, count, rescales + r, acc + r * 64 * Quads, padded);
+  for (; r < n; ++r)
     accumulate_paired<Quads>(high + r, low + r, pairs, stride, count, rescales[r], acc + r * 64 * Quads, padded);
+}
+
+// walk_many's softmax for accumulate_many_paired, 16 rows (`scores` at their tile): exp(score - running) for each token,
+// written straight as the high and low bfloat16 halves of pairs of tokens (`high`, `low` [token pair][padded] at the
+// tile) rather than stored as float32 and read again to be split; returns the weights' sums. Two tokens' weights
+// take one two-source conversion (VCVTNE2PS2BF16) and one word interleave each for the high and the low halves.
+inline __m512 exponentiate_pairs(const float* scores, int64_t padded, int64_t count, __m512 running, uint32_t* high,
+                                 uint32_t* low) {
+  // word 2i from the first source's lane i, word 2i + 1 from the second's: the tokens of a pair adjacent
+  alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(order);
+  const __m512i upper_word = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 added = _mm512_setzero_ps();
+  for (int64_t p = 0; p < (count + 1) / 2; ++p) {
+    const __m512 first = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + 2 * p * padded), running));
+    const __m512 second = 2 * p + 1 < count
+                              ? exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + (2 * p + 1) * padded), running))
+                              : _mm512_setzero_ps();
+    added = _mm512_add_ps(_mm512_add_ps(added, first), second);
+    const __m512i upper = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+    const __m512 first_rest = _mm512_sub_ps(first, _mm512_castsi512_ps(_mm512_slli_epi32(upper, 16)));
+    const __m512 second_rest = _mm512_sub_ps(second, _mm512_castsi512_ps(_mm512_and_si512(upper, upper_word)));
+    _mm512_storeu_si512(high + p * padded, upper);
+    _mm512_storeu_si512(low + p * padded,
+                        _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(second_rest, first_rest)));
+  }
+  return added;
 }
 #endif
 
@@ -589,9 +636,7 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
   float* rescales = s.rescales.data();
   for (int64_t b = 0; b * block < length; ++b) {
     const int64_t count = std::min(block, length - b * block);
-    if ((b + 1) * block < length)
-      prefetch(pool.k_cache, pool.v_cache, blocks[b + 1] * pool.block_stride,
-               std::min(block, length - (b + 1) * block) * stride);
+    const int64_t ahead = (b + 1) * block < length ? std::min(block, length - (b + 1) * block) * stride : 0;
     const Cache* raw_keys = pool.k_cache + blocks[b] * pool.block_stride;
     const float* k = nullptr;
     const float* v = nullptr;
@@ -601,7 +646,7 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
       if constexpr (kFp8<Cache>) {
         narrow_to_bfloat16(raw_keys, s.narrow_keys.data(), s.keys.data(), count * stride);
         pair_keys = s.narrow_keys.data();
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
         values_paired = dim == 64 || dim == 128 || dim == 256;
         if (values_paired)
           pair_values(pool.v_cache + blocks[b] * pool.block_stride, stride, count, s.value_pairs.data());
@@ -618,6 +663,12 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
                                 s.keys.data(), s.values.data());
     }
     for (int64_t h = 0; h < pool.heads; ++h) {
+      // the next block requested a head's share at a time, as walk_few_paired does: all of it at once stalled on the
+      // outstanding misses (9 sets of 9 decodes over 448 shared tokens, one thread, 30 layers: e4m3 33.1 -> 30.5 ms,
+      // bfloat16 43.6 -> 41.1)
+      if (ahead > 0)
+        prefetch(pool.k_cache, pool.v_cache, blocks[b + 1] * pool.block_stride + h * ahead / pool.heads,
+                 ahead / pool.heads);
       const float* query = transposed + h * dim * padded;
       const uint32_t* pairs = paired ? paired + h * (dim / 2) * padded : nullptr;
       const float* key = k ? k + h * dim : nullptr;
@@ -644,28 +695,34 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
         __m512 running = previous;
         for (int64_t t = 0; t < count; ++t) running = _mm512_max_ps(running, _mm512_loadu_ps(scores + t * padded + tile));
         __m512 added = _mm512_setzero_ps();
-        for (int64_t t = 0; t < count; ++t) {
-          const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t * padded + tile), running));
-          _mm512_storeu_ps(scores + t * padded + tile, e);
-          added = _mm512_add_ps(added, e);
-        }
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+        if (values_paired)
+          added = exponentiate_pairs(scores + tile, padded, count, running, s.many_high.data() + tile,
+                                     s.many_low.data() + tile);
+        else
+#endif
+          for (int64_t t = 0; t < count; ++t) {
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + t * padded + tile), running));
+            _mm512_storeu_ps(scores + t * padded + tile, e);
+            added = _mm512_add_ps(added, e);
+          }
         const __m512 rescale = exp_nonpositive(_mm512_sub_ps(previous, running));
         _mm512_storeu_ps(rescales + tile, rescale);
         _mm512_storeu_ps(head_max + tile, running);
         _mm512_storeu_ps(head_sum + tile, _mm512_fmadd_ps(_mm512_loadu_ps(head_sum + tile), rescale, added));
       }
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
       if (values_paired) {
         const uint16_t* pairs = s.value_pairs.data() + 2 * h * dim;
         float* head_acc = acc + h * n * dim;
-        uint32_t* high = s.many_high.data();
-        uint32_t* low = s.many_low.data();
+        const uint32_t* high = s.many_high.data();
+        const uint32_t* low = s.many_low.data();
         if (dim == 64)
-          accumulate_many_paired<1>(scores, padded, pairs, count, stride, rescales, n, head_acc, high, low);
+          accumulate_many_paired<1>(high, low, padded, pairs, count, stride, rescales, n, head_acc);
         else if (dim == 128)
-          accumulate_many_paired<2>(scores, padded, pairs, count, stride, rescales, n, head_acc, high, low);
+          accumulate_many_paired<2>(high, low, padded, pairs, count, stride, rescales, n, head_acc);
         else
-          accumulate_many_paired<4>(scores, padded, pairs, count, stride, rescales, n, head_acc, high, low);
+          accumulate_many_paired<4>(high, low, padded, pairs, count, stride, rescales, n, head_acc);
         continue;
       }
 #endif
@@ -928,6 +985,8 @@ void walk_few(const float* query, int64_t n, const Pool<Cache>& pool, const int6
   }
 }
 
+constexpr int64_t kFewRows = 4;  // walk_few_paired's rows side by side
+
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 // walk_few over an FP8 pool for bfloat16 queries, as bfloat16 pair products (VDPBF16PS): each block's keys converted
 // by the byte tables to bfloat16 (a block at a time, into an L1 buffer the rows share), its values to pairs of
@@ -1034,8 +1093,7 @@ void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, co
   const int64_t block = pool.block, stride = pool.token_stride, heads = pool.heads;
   uint16_t* keys = s.narrow_keys.data();
   uint16_t* pairs = s.value_pairs.data();
-  uint16_t* high = s.weight_pairs.data();
-  uint16_t* low = high + 16;
+  uint16_t* weights = s.weight_pairs.data();  // [kFewRows][high, low][16]
   for (int64_t b = 0; b * block < length; ++b) {
     const int64_t count = std::min(block, length - b * block);
     const int64_t offset = blocks[b] * pool.block_stride;
@@ -1046,29 +1104,44 @@ void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, co
     for (int64_t h = 0; h < heads; ++h) {
       if (ahead > 0)
         prefetch(pool.k_cache, pool.v_cache, blocks[b + 1] * pool.block_stride + h * ahead / heads, ahead / heads);
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t state = h * n + r;
-        __m512bh row[2 * Quads];
-        for (int i = 0; i < 2 * Quads; ++i) row[i] = (__m512bh)_mm512_loadu_si512(query + state * dim + 32 * i);
+      // up to kFewRows rows at a time, each step for all of them before the next: one row's scores, softmax and
+      // values are a chain of dependent steps (reductions, a scalar exp), and side by side the rows' chains overlap
+      // (81 decodes' own 48 tokens after their sets' shared walks, e4m3, one thread, 30 layers: 10.6 -> 9.7 ms)
+      for (int64_t first = 0; first < n; first += kFewRows) {
+        const int64_t rows = std::min(kFewRows, n - first);
         // 16 tokens at a time, their scores and weights in registers: stored and loaded again (masked stores, which
         // do not forward to loads) they stalled the walk
         for (int64_t t = 0; t < count; t += 16) {
           const int64_t tokens = std::min<int64_t>(16, count - t);
-          const __m512 score = score_sixteen_paired<Quads>(row, keys + t * stride + h * dim, stride, tokens, scale);
-          const float running = std::max(maxes[state], _mm512_reduce_max_ps(score));
-          const float rescale = exp_nonpositive(maxes[state] - running);
-          maxes[state] = running;
-          // exp(-inf - running) is exp_nonpositive's floor, 2^-126, not 0: the lanes past count are cleared
           const __mmask16 lanes = tokens >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << tokens) - 1);
-          const __m512 weight = _mm512_maskz_mov_ps(lanes, exp_nonpositive(_mm512_sub_ps(score, _mm512_set1_ps(running))));
-          sums[state] = sums[state] * rescale + _mm512_reduce_add_ps(weight);
-          const __m256bh upper = _mm512_cvtneps_pbh(weight);  // each weight as bfloat16 high + low
-          const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)upper), 16));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(high), (__m256i)upper);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(low),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(weight, widened)));
-          accumulate_paired<Quads>(reinterpret_cast<const uint32_t*>(high), reinterpret_cast<const uint32_t*>(low),
-                                   pairs + 2 * (t * stride + h * dim), stride, tokens, rescale, acc + state * dim, 1);
+          __m512 score[kFewRows];
+          float rescale[kFewRows];
+          for (int64_t r = 0; r < rows; ++r) {
+            __m512bh row[2 * Quads];
+            for (int i = 0; i < 2 * Quads; ++i)
+              row[i] = (__m512bh)_mm512_loadu_si512(query + (h * n + first + r) * dim + 32 * i);
+            score[r] = score_sixteen_paired<Quads>(row, keys + t * stride + h * dim, stride, tokens, scale);
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t state = h * n + first + r;
+            const float running = std::max(maxes[state], _mm512_reduce_max_ps(score[r]));
+            rescale[r] = exp_nonpositive(maxes[state] - running);
+            maxes[state] = running;
+            // exp(-inf - running) is exp_nonpositive's floor, 2^-126, not 0: the lanes past count are cleared
+            const __m512 weight =
+                _mm512_maskz_mov_ps(lanes, exp_nonpositive(_mm512_sub_ps(score[r], _mm512_set1_ps(running))));
+            sums[state] = sums[state] * rescale[r] + _mm512_reduce_add_ps(weight);
+            const __m256bh upper = _mm512_cvtneps_pbh(weight);  // each weight as bfloat16 high + low
+            const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)upper), 16));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + 32 * r), (__m256i)upper);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + 32 * r + 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(weight, widened)));
+          }
+          for (int64_t r = 0; r < rows; ++r)
+            accumulate_paired<Quads>(reinterpret_cast<const uint32_t*>(weights + 32 * r),
+                                     reinterpret_cast<const uint32_t*>(weights + 32 * r + 16),
+                                     pairs + 2 * (t * stride + h * dim), stride, tokens, rescale[r],
+                                     acc + (h * n + first + r) * dim, 1);
         }
       }
     }
@@ -1218,7 +1291,7 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
       s.many_high.resize((block + 1) / 2 * padded);
       s.many_low.resize((block + 1) / 2 * padded);
       s.value_pairs.resize((block + 1) / 2 * 2 * pool.token_stride);
-      s.weight_pairs.resize(32);
+      s.weight_pairs.resize(32 * kFewRows);
       s.query_pairs.resize(kv_heads * padded * dim);
     }
     std::vector<float> state(kv_heads * padded * (2 + dim));
