@@ -85,7 +85,7 @@ MONTHS = ["January", "February", "March", "April", "May", "June", "July", "Augus
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 
 
-def _lettered(rng: random.Random, right: str, others: list[str]) -> tuple[list[str], int]:
+def _among_others(rng: random.Random, right: str, others: list[str]) -> tuple[list[str], int]:
     """The right choice among three others, at a random position."""
     choices = rng.sample(others, 3)
     answer = rng.randrange(4)
@@ -96,21 +96,21 @@ def _lettered(rng: random.Random, right: str, others: list[str]) -> tuple[list[s
 def capitals(rng: random.Random) -> Iterator[Question]:
     for country in rng.sample(list(CAPITALS), len(CAPITALS)):
         others = [c for k, c in CAPITALS.items() if k != country]
-        yield (f"What is the capital city of {country}?", *_lettered(rng, CAPITALS[country], others))
+        yield (f"What is the capital city of {country}?", *_among_others(rng, CAPITALS[country], others))
 
 
 def opposites(rng: random.Random) -> Iterator[Question]:
     for word in rng.sample(list(OPPOSITES), len(OPPOSITES)):
         right = OPPOSITES[word]
         others = sorted({w for w in OPPOSITES.values() if w not in (right, word)})
-        yield (f"What is the opposite of the word \"{word}\"?", *_lettered(rng, right, others))
+        yield (f"What is the opposite of the word \"{word}\"?", *_among_others(rng, right, others))
 
 
 def plurals(rng: random.Random) -> Iterator[Question]:
     for word in rng.sample(list(PLURALS), len(PLURALS)):
         right = PLURALS[word]
         wrong = {word + "s", word + "es", word + "en", word[:-1] + "ies", word + "ses", word + "i"} - {right}
-        yield (f"What is the plural of \"{word}\"?", *_lettered(rng, right, sorted(wrong)))
+        yield (f"What is the plural of \"{word}\"?", *_among_others(rng, right, sorted(wrong)))
 
 
 def categories(rng: random.Random) -> Iterator[Question]:
@@ -121,7 +121,7 @@ def categories(rng: random.Random) -> Iterator[Question]:
         others = sorted({w for k, words in CATEGORIES.items() if k != kind for w in words} - set(CATEGORIES[kind]))
         if (kind, right) not in seen:
             seen.add((kind, right))
-            yield (f"Which of these is a {kind}?", *_lettered(rng, right, others))
+            yield (f"Which of these is a {kind}?", *_among_others(rng, right, others))
 
 
 def addition(rng: random.Random) -> Iterator[Question]:
@@ -131,13 +131,13 @@ def addition(rng: random.Random) -> Iterator[Question]:
         if (a, b) not in seen:
             seen.add((a, b))
             wrong = [str(a + b + d) for d in (-10, -2, -1, 1, 2, 10) if a + b + d > 0]
-            yield (f"What is {a} plus {b}?", *_lettered(rng, str(a + b), wrong))
+            yield (f"What is {a} plus {b}?", *_among_others(rng, str(a + b), wrong))
 
 
 def next_number(rng: random.Random) -> Iterator[Question]:
     for n in rng.sample(range(2, 200), 198):
         wrong = [str(n + d) for d in (-1, 2, 10, -10, 11) if n + d > 0]
-        yield (f"Which number comes right after {n}?", *_lettered(rng, str(n + 1), wrong))
+        yield (f"Which number comes right after {n}?", *_among_others(rng, str(n + 1), wrong))
 
 
 def sequences(rng: random.Random) -> Iterator[Question]:
@@ -149,7 +149,7 @@ def sequences(rng: random.Random) -> Iterator[Question]:
         right = seq[i + step]
         others = [s for s in seq if s not in (right, seq[i])]
         noun = f"the letter {seq[i]} in the alphabet" if kind == "letter" else seq[i]
-        yield (f"Which {kind} comes right {where} {noun}?", *_lettered(rng, right, others))
+        yield (f"Which {kind} comes right {where} {noun}?", *_among_others(rng, right, others))
 
 
 def largest(rng: random.Random) -> Iterator[Question]:

@@ -542,46 +542,11 @@ inline void score_head(const float* transposed, const uint32_t* paired, int64_t 
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 // Defined with walk_few_paired below.
-template <int Quads>
+template <int Quads, int Rows = 1>
 inline void accumulate_paired(const uint32_t* high, const uint32_t* low, const uint16_t* pairs, int64_t stride,
-                              int64_t count, float rescale, float* acc, int64_t weight_stride);
+                              int64_t count, const float* rescales, float* acc, int64_t weight_stride);
 template <typename Fp8>
 inline void pair_values(const Fp8* values, int64_t stride, int64_t count, uint16_t* pairs);
-
-// accumulate_paired for two adjacent rows (weights 1 apart, outputs dim apart), each value vector loaded once for both.
-// With exponentiate_pairs below, 9 sets of 9 decodes over 448 shared tokens, e4m3, one thread, 30 layers: 30.7 -> 29.3
-// ms (28.5 -> 27.0 in cache), the same bits; each alone took about half of that.
-template <int Quads>
-inline void accumulate_paired_two(const uint32_t* high, const uint32_t* low, const uint16_t* pairs, int64_t stride,
-                                  int64_t count, const float* rescales, float* acc, int64_t weight_stride) {
-  constexpr int64_t dim = 64 * Quads;
-  for (int q = 0; q < Quads; ++q) {
-    __m512 upper[2][4], lower[2][4];
-    for (int r = 0; r < 2; ++r)
-      for (int c = 0; c < 4; ++c) {
-        upper[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + 64 * q + 16 * c), _mm512_set1_ps(rescales[r]));
-        lower[r][c] = _mm512_setzero_ps();
-      }
-    for (int64_t p = 0; p < (count + 1) / 2; ++p) {
-      __m512bh h[2], l[2];
-      for (int r = 0; r < 2; ++r) {
-        h[r] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(high[p * weight_stride + r]));
-        l[r] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(low[p * weight_stride + r]));
-      }
-      const uint16_t* values = pairs + 2 * (p * stride + 64 * q);
-      for (int c = 0; c < 4; ++c) {
-        const __m512bh value = (__m512bh)_mm512_loadu_si512(values + 32 * c);
-        for (int r = 0; r < 2; ++r) {
-          upper[r][c] = _mm512_dpbf16_ps(upper[r][c], value, h[r]);
-          lower[r][c] = _mm512_dpbf16_ps(lower[r][c], value, l[r]);
-        }
-      }
-    }
-    for (int r = 0; r < 2; ++r)
-      for (int c = 0; c < 4; ++c)
-        _mm512_storeu_ps(acc + r * dim + 64 * q + 16 * c, _mm512_add_ps(upper[r][c], lower[r][c]));
-  }
-}
 
 // walk_many's values over an FP8 pool as walk_few_paired takes them: the block's values as bfloat16 pairs of tokens
 // (`pairs`, this head's), each row's weights split into a high and a low bfloat16 (16 rows per conversion), so one
@@ -595,9 +560,9 @@ inline void accumulate_many_paired(const uint32_t* high, const uint32_t* low, in
                                    int64_t count, int64_t stride, const float* rescales, int64_t n, float* acc) {
   int64_t r = 0;
   for (; r + 2 <= n; r += 2)
-    accumulate_paired_two<Quads>(high + r, low + r, pairs, stride, count, rescales + r, acc + r * 64 * Quads, padded);
+    accumulate_paired<Quads, 2>(high + r, low + r, pairs, stride, count, rescales + r, acc + r * 64 * Quads, padded);
   for (; r < n; ++r)
-    accumulate_paired<Quads>(high + r, low + r, pairs, stride, count, rescales[r], acc + r * 64 * Quads, padded);
+    accumulate_paired<Quads>(high + r, low + r, pairs, stride, count, rescales + r, acc + r * 64 * Quads, padded);
 }
 
 // walk_many's softmax for accumulate_many_paired, 16 rows (`scores` at their tile): exp(score - running) for each token,
@@ -1037,30 +1002,41 @@ inline __m512 score_sixteen_paired(const __m512bh* query, const uint16_t* keys, 
   return _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), lanes, sum_sixteen(sums), _mm512_set1_ps(scale));
 }
 
-// acc[0:dim] = acc * rescale + sum over t of weight t * value t, the weights as bfloat16 pairs of adjacent tokens
-// (`high`, `low` [count rounded up to even], `weight_stride` apart), the values as pairs [token pair][stride][2]
-// (`pairs` at this head).
-template <int Quads>
+// acc[r][0:dim] = acc[r] * rescales[r] + sum over t of weight r,t * value t, for `Rows` rows side by side (weights 1
+// apart, outputs dim apart) so that each value vector is loaded once for all of them; the weights as bfloat16 pairs of
+// adjacent tokens (`high`, `low` [count rounded up to even], `weight_stride` apart), the values as pairs
+// [token pair][stride][2] (`pairs` at this head). Two rows at a time in walk_many (with exponentiate_pairs, 9 sets
+// of 9 decodes over 448 shared tokens, e4m3, one thread, 30 layers: 30.7 -> 29.3 ms, the same bits; each alone took
+// about half of that).
+template <int Quads, int Rows>
 inline void accumulate_paired(const uint32_t* high, const uint32_t* low, const uint16_t* pairs, int64_t stride,
-                              int64_t count, float rescale, float* acc, int64_t weight_stride) {
-  const __m512 factor = _mm512_set1_ps(rescale);
+                              int64_t count, const float* rescales, float* acc, int64_t weight_stride) {
+  constexpr int64_t dim = 64 * Quads;
   for (int q = 0; q < Quads; ++q) {
-    __m512 upper[4], lower[4];
-    for (int c = 0; c < 4; ++c) {
-      upper[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 64 * q + 16 * c), factor);
-      lower[c] = _mm512_setzero_ps();
-    }
+    __m512 upper[Rows][4], lower[Rows][4];
+    for (int r = 0; r < Rows; ++r)
+      for (int c = 0; c < 4; ++c) {
+        upper[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + 64 * q + 16 * c), _mm512_set1_ps(rescales[r]));
+        lower[r][c] = _mm512_setzero_ps();
+      }
     for (int64_t p = 0; p < (count + 1) / 2; ++p) {
-      const __m512bh h = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(high[p * weight_stride]));
-      const __m512bh l = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(low[p * weight_stride]));
+      __m512bh h[Rows], l[Rows];
+      for (int r = 0; r < Rows; ++r) {
+        h[r] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(high[p * weight_stride + r]));
+        l[r] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(low[p * weight_stride + r]));
+      }
       const uint16_t* values = pairs + 2 * (p * stride + 64 * q);
       for (int c = 0; c < 4; ++c) {
         const __m512bh value = (__m512bh)_mm512_loadu_si512(values + 32 * c);
-        upper[c] = _mm512_dpbf16_ps(upper[c], value, h);
-        lower[c] = _mm512_dpbf16_ps(lower[c], value, l);
+        for (int r = 0; r < Rows; ++r) {
+          upper[r][c] = _mm512_dpbf16_ps(upper[r][c], value, h[r]);
+          lower[r][c] = _mm512_dpbf16_ps(lower[r][c], value, l[r]);
+        }
       }
     }
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + 64 * q + 16 * c, _mm512_add_ps(upper[c], lower[c]));
+    for (int r = 0; r < Rows; ++r)
+      for (int c = 0; c < 4; ++c)
+        _mm512_storeu_ps(acc + r * dim + 64 * q + 16 * c, _mm512_add_ps(upper[r][c], lower[r][c]));
   }
 }
 
@@ -1142,7 +1118,7 @@ void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, co
           for (int64_t r = 0; r < rows; ++r)
             accumulate_paired<Quads>(reinterpret_cast<const uint32_t*>(weights + 32 * r),
                                      reinterpret_cast<const uint32_t*>(weights + 32 * r + 16),
-                                     pairs + 2 * (t * stride + h * dim), stride, tokens, rescale[r],
+                                     pairs + 2 * (t * stride + h * dim), stride, tokens, rescale + r,
                                      acc + (h * n + first + r) * dim, 1);
         }
       }
