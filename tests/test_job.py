@@ -16,7 +16,8 @@ RESULT_TYPES = {
 JOB_COLUMNS = {"num_requests", "num_errors", "prompt_tokens", "cached_tokens", "computed_prompt_tokens",
                "output_tokens", "wall_seconds", "prefill_tokens_per_second", "output_tokens_per_second",
                "cache_hit_rate", "evicted_blocks", "preemptions", "active_blocks", "reclaimable_blocks",
-               "free_blocks", "ideal_cached_tokens", "max_batched_tokens"}
+               "free_blocks", "ideal_cached_tokens", "max_batched_tokens", "prepare_seconds", "load_seconds",
+               "warm_up_seconds"}
 
 
 def run_job(out, *overrides: str):
@@ -63,6 +64,9 @@ def test_sample_job_writes_every_file_of_the_contract(sample_run):
     assert job["cached_tokens"] == sum(r["num_cached_tokens"] for r in good)
     assert job["computed_prompt_tokens"] == job["prompt_tokens"] - job["cached_tokens"]
     assert job["cache_hit_rate"] == pytest.approx(job["cached_tokens"] / job["prompt_tokens"])
+    # A CPU compiles no kernels: the start-up is preparing the input and loading, both inside the job's time.
+    assert job["prepare_seconds"] > 0 and job["load_seconds"] > 0 and job["warm_up_seconds"] == 0
+    assert job["prepare_seconds"] + job["load_seconds"] < job["wall_seconds"]
 
     groups = pq.read_table(out / "stats" / "groups.parquet")
     assert sum(groups["num_requests"].to_pylist()) == len(good)

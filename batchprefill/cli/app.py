@@ -6,6 +6,7 @@ log file that holds its full traceback, so a user never reads a raw stack and a 
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import sys
@@ -135,6 +136,27 @@ def config_error(error: HydraException | OmegaConfBaseException) -> JobError:
     return JobError(f"{error}{detail}")
 
 
+@contextmanager
+def exit_without_teardown() -> Iterator[None]:
+    """Ends a console script the moment its work is done, with the exit status it chose: the atexit handlers run
+    (log files flushed, child processes reaped) and the output streams are flushed, but the interpreter is not torn
+    down. Tearing it down frees every module's objects one by one, which no one needs at exit: after a finished
+    job it took 0.65 s of a 3.4 s process on 2 cores (AMD EPYC; 0.37 s after `import torch` alone), and on a GPU it
+    also frees the caching allocator's memory and the CUDA graphs block by block (benchmarks/gpu/process_clock.py
+    times it there). The job has committed everything before it returns, so nothing is lost."""
+    status: int | str | None = 0
+    try:
+        yield
+    except SystemExit as stop:
+        status = stop.code
+    if isinstance(status, str):  # sys.exit("message"), as the interpreter reports it
+        print(status, file=sys.stderr)
+    atexit._run_exitfuncs()  # what the interpreter runs at exit, in the same order
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status if isinstance(status, int) else 0 if status is None else 1)
+
+
 def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[], None]:
     """A Hydra entry point on conf/config.yaml: the config is parsed once into JobSettings, which the task gets;
     any error ends it in one line (see `reported_errors`).
@@ -152,7 +174,7 @@ def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[
 
     def main() -> None:
         os.environ["HYDRA_FULL_ERROR"] = "1"
-        with reported_errors(command):
+        with exit_without_teardown(), reported_errors(command):
             try:
                 hydra_main()
             except (HydraException, OmegaConfBaseException) as error:

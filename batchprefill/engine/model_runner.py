@@ -18,6 +18,8 @@ from batchprefill.kernels.lora import LoraStep
 from batchprefill.model.decoder import DecoderModel
 
 WARM_UP_LONG_CHUNK = 512  # a chunk this long takes the prefill kernel's 128-row tiles (TritonOps._choose_block_m)
+COMPILING, CAPTURING = "compiling kernels", "capturing graphs"  # what `on_phase` hears of warm-up
+WARM_UP_PHASES = (COMPILING, CAPTURING)
 
 
 def say_nothing(phase: str) -> None:
@@ -45,11 +47,11 @@ class ModelRunner:
         self._argmax = argmax_for(device)
         self.decoder = None
         if compiles_kernels(device):
-            on_phase("compiling kernels")
+            on_phase(COMPILING)
             self.warm_up()
         if padded_decode != "off" and not model.adapters:  # the padded buffers and graphs hold no adapter deltas
             if padded_decode == "graphs":
-                on_phase("capturing graphs")
+                on_phase(CAPTURING)
             self.decoder = PaddedDecode(model, self.kv_caches, block_size, max_num_seqs, device,
                                         capture=padded_decode == "graphs")
         # Whether `greedy_tokens` lets the model pick without making the logits: on the CPU (where reading them

@@ -12,6 +12,8 @@ How shard statistics combine into `stats/job.parquet`:
   the rates (`prefill_tokens_per_second`, `output_tokens_per_second`) computed from the sums over it are the
   job's aggregate throughput; `shard_seconds` (added) sums the shards' times, the device time spent;
 - counts include `ideal_cached_tokens`, what an ideal cache would serve in each shard's run order;
+- `prepare_seconds`, `load_seconds` and `warm_up_seconds` (report.startup) are the slowest shard's, like
+  `wall_seconds`;
 - peaks (`active_blocks`, `reclaimable_blocks`, `free_blocks`) are the largest any shard reached, and
   `max_batched_tokens` the largest budget;
 - `num_shards` (added) says how many shards' statistics were combined.
@@ -43,12 +45,14 @@ from batchprefill.model.tokenizer import PromptTokenizer
 from batchprefill.pipeline.manifest import MANIFEST_NAME, partition_path, read_manifest, read_partition
 from batchprefill.pipeline.order import assign_shards
 from batchprefill.report.run_figure import write_run_figure
+from batchprefill.report.startup import STARTUP_COLUMNS
 from batchprefill.report.stats import ADAPTER_SCHEMA
 from batchprefill.settings import JobSettings
 
 # The job row's columns combined by their largest value; the rates are recomputed and every other column is a count,
 # summed (see the module docstring).
-PEAKS = ("active_blocks", "reclaimable_blocks", "free_blocks", "wall_seconds", "max_batched_tokens")
+PEAKS = ("active_blocks", "reclaimable_blocks", "free_blocks", "wall_seconds", "max_batched_tokens",
+         *STARTUP_COLUMNS)
 SHARD_DIR = re.compile(r"shard-(\d+)-of-(\d+)")
 PART_NAME = re.compile(r"part-(\d+)-")  # results/part-<shard>-<stamp>-<n>.parquet
 SHOWN = 5  # ids named in the one-line report

@@ -31,6 +31,7 @@ from batchprefill.pipeline.request_params import max_output_tokens, may_be_const
 from batchprefill.pipeline.requests import PartitionRun, load_partition
 from batchprefill.pipeline.shard_lock import ShardLock, sole_writer
 from batchprefill.report.run_figure import write_run_figure
+from batchprefill.report.startup import StartupClock
 from batchprefill.report.stats import JobTotals, job_row, stats_dir, write_stats
 from batchprefill.report.summary import print_run_summary
 from batchprefill.settings import JobSettings
@@ -53,7 +54,7 @@ def run_job(job: JobSettings, model: JobModel | None = None) -> dict:
 
 
 def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
-    started = time.perf_counter()
+    clock = StartupClock()
     task = get_task(job.task)
     prepared = prepare_job(job, model.files if model else None)
     out, sharding = job.output.dir, job.data.sharding
@@ -71,13 +72,14 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
     totals = JobTotals(adapter_names=[None, *sorted(job.model.adapters)])
     # The bar before the engine: it says what start-up does (loading, on a GPU compiling kernels and capturing graphs).
     bar = tqdm(total=rows, desc=job.task, unit="req", disable=not job.output.progress)
+    clock.building(bar.set_description)
     try:
-        engine = (engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured, typical,
-                            bar.set_description) if model
-                  else build_engine(job, prepared, tokens_needed, structured, typical, bar.set_description))
+        engine = (engine_on(job, model, prepared.model.tokenizer, tokens_needed, structured, typical, clock) if model
+                  else build_engine(job, prepared, tokens_needed, structured, typical, clock))
     except BaseException:
         bar.close()
         raise
+    clock.engine_ready()
     bar.set_description(job.task)
     stop, previous_handler = _trap_sigterm()
     try:
@@ -93,7 +95,7 @@ def _run_job(job: JobSettings, lock: ShardLock, model: JobModel | None) -> dict:
         engine.close()  # the pool goes back now: a Runner's next job on this device sizes its own from free memory
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
-    stats = job_row(totals, engine.counters, engine.config, time.perf_counter() - started)
+    stats = job_row(totals, engine.counters, engine.config, time.perf_counter() - clock.began) | clock.seconds()
     stats_folder = stats_dir(out, sharding)
     write_stats(stats_folder, totals, engine.counters.steps, stats)
     if sharding.num_shards == 1:  # shards: the merge finishes the outputs

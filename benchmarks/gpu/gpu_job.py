@@ -10,7 +10,9 @@ tokens, 256 questions of 16-48 tokens under each, shuffled, 64 output tokens eac
 It runs as a user runs it (`python -m batchprefill.run`, default engine settings unless `--set` adds overrides),
 twice: the first run on a fresh machine compiles the Triton kernels into their disk cache, the second is the
 figure. Printed and written: the whole process, the engine loop (the sum of stats/steps.parquet's step
-durations), the decode-only steps' breakdown at their largest batch, and the floors beside them:
+durations), where the whole process's time went (process_clock.py: interpreter, imports, Hydra, the job's own
+prepare/load/warm-up/engine loop/rest, the exit), the decode-only steps' breakdown at their largest batch, and the
+floors beside them:
 - job floor: prefill FLOPs (2 x parameters x computed prompt tokens, plus attention pairs) over the measured bf16
   matmul rate, plus decode steps (output tokens / max_num_seqs) x the weights' bytes over the copy bandwidth;
 - decode step floor at its batch: weights + each sequence's own KV + each group's shared prefix once, over the
@@ -97,21 +99,45 @@ def write_input(rows: list[list[int]], path: Path) -> None:
 
 
 def run_job(folder: Path, data: Path, out: Path, shape: JobShape, overrides: list[str], device: str) -> dict:
-    """One `python -m batchprefill.run` as a user starts it: whole-process seconds and what stats/ says."""
-    args = [sys.executable, "-m", "batchprefill.run", f"data.input={data}", f"output.dir={out}",
-            f"model.path={folder}", f"sampling.max_tokens={shape.max_tokens}", "sampling.ignore_eos=true",
-            "output.plot=false", "output.progress=false", "output.resume=false", f"engine.device={device}",
-            *overrides]
+    """One `python -m batchprefill.run` as a user starts it (through process_clock.py, which times the process
+    around the job): whole-process seconds, where they went, and what stats/ says."""
+    times = out.with_name(out.name + "-process.json")
+    args = [sys.executable, str(Path(__file__).with_name("process_clock.py")), str(times), f"data.input={data}",
+            f"output.dir={out}", f"model.path={folder}", f"sampling.max_tokens={shape.max_tokens}",
+            "sampling.ignore_eos=true", "output.plot=false", "output.progress=false", "output.resume=false",
+            f"engine.device={device}", *overrides]
     shutil.rmtree(out, ignore_errors=True)  # this script's own folder: a rerun starts the job afresh
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    began = time.perf_counter()
+    spawned, began = time.time(), time.perf_counter()
     done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=REPO)
-    whole = time.perf_counter() - began
+    whole, reaped = time.perf_counter() - began, time.time()
     if done.returncode != 0:
         raise RuntimeError(f"the job exited {done.returncode}: {done.stderr[-3000:]}")
     job = pq.read_table(out / "stats" / "job.parquet").to_pylist()[0]
     steps = pq.read_table(out / "stats" / "steps.parquet").to_pandas()
-    return {"whole_process_s": whole, "job": job, "steps": steps, "summary": done.stderr.strip().splitlines()[-6:]}
+    process = process_phases(json.loads(times.read_text()) | {"spawned": spawned, "reaped": reaped}, job,
+                             steps.duration_ms.sum() / 1e3)
+    return {"whole_process_s": whole, "job": job, "steps": steps, "process": process,
+            "summary": done.stderr.strip().splitlines()[-6:]}
+
+
+PROCESS_PHASES = [("interpreter_s", "spawned", "script"), ("import_torch_s", "script", "torch_imported"),
+                  ("import_cli_s", "torch_imported", "cli_imported"),
+                  ("import_pipeline_s", "cli_imported", "pipeline_imported"),
+                  ("hydra_and_config_s", "pipeline_imported", "job_entered"), ("job_s", "job_entered", "job_returned"),
+                  ("after_job_s", "job_returned", "atexit"), ("exit_teardown_s", "atexit", "reaped")]
+
+
+def process_phases(marks: dict, job: dict, engine_loop_s: float) -> dict:
+    """Seconds between process_clock.py's instants, and the job's own split of its time (stats/job.parquet):
+    preparing the input, loading, warming up, the engine loop, and the rest (the bar's feeding of requests outside
+    steps, writing results and statistics)."""
+    phases = {name: round(marks[end] - marks[start], 3) for name, start, end in PROCESS_PHASES}
+    inside = {name: round(job.get(column, float("nan")), 3) for name, column in
+              (("prepare_s", "prepare_seconds"), ("load_s", "load_seconds"), ("warm_up_s", "warm_up_seconds"))}
+    inside["engine_loop_s"] = round(engine_loop_s, 3)
+    inside["rest_s"] = round(job["wall_seconds"] - sum(inside.values()), 3)
+    return phases | {"inside_job": inside}
 
 
 def step_breakdown(steps, timing_columns: list[str]) -> dict:
@@ -193,7 +219,7 @@ def summarize(run: dict) -> dict:
             "computed_prompt_tokens": run["job"]["computed_prompt_tokens"],
             "ideal_cached_tokens": run["job"]["ideal_cached_tokens"], "cached_tokens": run["job"]["cached_tokens"],
             "output_tokens": run["job"]["output_tokens"], "max_batched_tokens": run["job"]["max_batched_tokens"],
-            "decode": step_breakdown(steps, TIMINGS), "summary": run["summary"]}
+            "decode": step_breakdown(steps, TIMINGS), "process": run["process"], "summary": run["summary"]}
 
 
 def main() -> None:
@@ -236,7 +262,7 @@ def main() -> None:
         last = results["runs"][-1]
         print(f"run {index + 1}: whole process {last['whole_process_s']:.1f} s, engine loop "
               f"{last['engine_loop_s']:.2f} s ({last['steps']} steps; first three {last['first_3_steps_ms']} ms), "
-              f"decode steps {json.dumps(last['decode'])}", flush=True)
+              f"decode steps {json.dumps(last['decode'])}; the process {json.dumps(last['process'])}", flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2, default=str))
     best = min(results["runs"], key=lambda r: r["engine_loop_s"])
