@@ -305,6 +305,28 @@ def test_a_misspelt_key_is_one_line_naming_it(tmp_path):
                                     "engine.block_size?")
 
 
+ENDS = """
+import atexit, sys
+from pathlib import Path
+from batchprefill.cli.app import exit_without_teardown
+
+with exit_without_teardown():
+    atexit.register(lambda: Path(sys.argv[1]).write_text("the atexit handler ran"))
+    print("unflushed", end="")
+    sys.exit(int(sys.argv[2]) if sys.argv[2].isdigit() else sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize(("status", "code", "stderr"), [("0", 0, ""), ("3", 3, ""), ("no model", 1, "no model\n")])
+def test_a_console_script_ends_with_its_status_its_atexit_handlers_run_and_its_output_flushed(status, code, stderr,
+                                                                                               tmp_path):
+    script, mark = tmp_path / "ends.py", tmp_path / "mark.txt"
+    script.write_text(ENDS)
+    done = run_cli([sys.executable, str(script), str(mark), status], env={"PYTHONPATH": str(REPO)})
+    assert (done.returncode, done.stdout, done.stderr) == (code, "unflushed", stderr)
+    assert mark.read_text() == "the atexit handler ran"
+
+
 BOOM = """
 from batchprefill.cli.app import hydra_app
 

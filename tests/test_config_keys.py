@@ -19,13 +19,15 @@ from batchprefill.cli.app import checked_job
 from batchprefill.config_keys import KEYS
 from tests.conftest import REPO, run_cli
 
-COMMANDS = {"run": batchprefill.cli.run.main, "plan": batchprefill.cli.plan.main, "merge": batchprefill.cli.merge.main}
+COMMANDS = {"run": batchprefill.cli.run.command, "plan": batchprefill.cli.plan.command,
+            "merge": batchprefill.cli.merge.command}
 
 
 def cli_in_process(command: str, overrides: list[str], capsys, monkeypatch, cwd) -> tuple[int, list[str]]:
-    """A console script's own `main` (Hydra's command-line parsing, the config check, the one-line report) run in
-    this process from `cwd`: its exit status and stderr lines. Hydra makes its run folder under output.dir before
-    the check (`output.dir=5` makes `5/.hydra-runs` in the working folder)."""
+    """A console script's command (Hydra's command-line parsing, the config check, the one-line report: what its
+    `main` runs before it ends the process) run in this process from `cwd`: its exit status and stderr lines. Hydra
+    makes its run folder under output.dir before the check (`output.dir=5` makes `5/.hydra-runs` in the working
+    folder)."""
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "argv", [f"batchprefill-{command}", *overrides])
     with pytest.raises(SystemExit) as exited:

@@ -136,6 +136,17 @@ def config_error(error: HydraException | OmegaConfBaseException) -> JobError:
     return JobError(f"{error}{detail}")
 
 
+def console_script(command: Callable[[], None]) -> Callable[[], None]:
+    """`command` (a `hydra_app`, which ends in SystemExit and may be called in-process, as the tests do) as a
+    console script's entry point, which ends the process the moment the command is done (`exit_without_teardown`)."""
+
+    def main() -> None:
+        with exit_without_teardown():
+            command()
+
+    return main
+
+
 @contextmanager
 def exit_without_teardown() -> Iterator[None]:
     """Ends a console script the moment its work is done, with the exit status it chose: the atexit handlers run
@@ -174,7 +185,7 @@ def hydra_app(command: str, task: Callable[[JobSettings], object]) -> Callable[[
 
     def main() -> None:
         os.environ["HYDRA_FULL_ERROR"] = "1"
-        with exit_without_teardown(), reported_errors(command):
+        with reported_errors(command):
             try:
                 hydra_main()
             except (HydraException, OmegaConfBaseException) as error:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from batchprefill.cli.app import hydra_app
+from batchprefill.cli.app import console_script, hydra_app
 from batchprefill.settings import JobSettings
 
 
@@ -14,4 +14,5 @@ def merge(job: JobSettings) -> None:
     print(merge_shards(job), file=sys.stderr)
 
 
-main = hydra_app("batchprefill-merge", merge)
+command = hydra_app("batchprefill-merge", merge)  # ends in SystemExit: callable in-process
+main = console_script(command)  # the console script: ends the process when the command is done

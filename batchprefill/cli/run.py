@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batchprefill.cli.app import hydra_app
+from batchprefill.cli.app import console_script, hydra_app
 from batchprefill.settings import JobSettings
 
 
@@ -12,4 +12,5 @@ def run(job: JobSettings) -> None:
     run_job(job)
 
 
-main = hydra_app("batchprefill", run)
+command = hydra_app("batchprefill", run)  # ends in SystemExit: callable in-process
+main = console_script(command)  # the console script: ends the process when the command is done
