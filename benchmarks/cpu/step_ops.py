@@ -99,7 +99,11 @@ def measure(args) -> dict:
 
     decode = args.job == "decode"
     totals, counts = instrument("forward" if decode else "final_hidden", decode_only=decode)
-    from batchprefill.cli.run import main as run_main
+    import batchprefill.cli.run as cli_run
+
+    # The command in this process: `main` ends the process when it is done (cli.app.console_script); a revision
+    # before that has `main` alone, which ends in SystemExit.
+    run_command = getattr(cli_run, "command", cli_run.main)
 
     with tempfile.TemporaryDirectory() as work:
         if decode:
@@ -120,7 +124,7 @@ def measure(args) -> dict:
                     *(["engine.batch_invariant=true"] * args.batch_invariant),  # a revision before it lacks the key
                     *([f"engine.kv_cache_dtype={args.kv_cache_dtype}"] * (args.kv_cache_dtype != "auto"))]
         try:
-            run_main()
+            run_command()
         except SystemExit as end:
             if end.code:
                 raise
