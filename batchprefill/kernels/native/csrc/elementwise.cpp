@@ -10,8 +10,14 @@
 // float32 (each widens its whole tensor to float32 and rounds it back: 6.4 ms RMSNorm and 4.6 ms RoPE a step);
 // here a bfloat16 row is widened in registers, computed in float32 as the torch ops do, and rounded once.
 //
-// A step of a few hundred rows runs on the calling thread (too little work to split); long prefill chunks are
-// split across threads.
+// RMSNorm splits a call of 16 rows or more across the threads: between a step's matmuls the residual and the
+// weight come from memory, not the caches, and one core does not draw the bandwidth two do. With the caches flushed
+// before each call (AMD EPYC Zen 4), 2 threads took a bfloat16 norm of 16-160 rows in 0.59-0.77x one thread's
+// time (80 rows: 16.9 against 24.5 us), level at 4-8 rows; in the decode job (benchmarks/cpu/step_ops.py, 80 rows)
+// the norms went from 3.5-4.5 to 2.2-2.4 ms a step. RoPE reads the projection the matmul has just written, from
+// the caches: split the same way it was no faster (1.1-1.7 against 1.1-1.4 ms a step), so it stays on the calling
+// thread up to 512 rows (a long prefill chunk). Every row is computed by one thread in one order, so the bits do
+// not depend on the split.
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -22,7 +28,8 @@
 #include <cstring>
 
 namespace {
-constexpr int64_t kParallelRows = 512;
+constexpr int64_t kParallelNormRows = 16;
+constexpr int64_t kParallelRopeRows = 512;
 
 inline float widen(float x) { return x; }
 
@@ -75,7 +82,7 @@ inline void narrow(float x, uint16_t* target) {
 template <typename T>
 void add_rms_norm(const T* x, int64_t x_stride, const T* residual, int64_t residual_stride, const T* weight,
                   int64_t rows, int64_t cols, float eps, T* normed, T* sum, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows >= kParallelRows)
+#pragma omp parallel for num_threads(threads) if (rows >= kParallelNormRows)
   for (int64_t r = 0; r < rows; ++r) {
     const T* source = x + r * x_stride;
     T* total = residual != nullptr ? sum + r * cols : nullptr;
@@ -143,7 +150,7 @@ template <typename T>
 void rope(const T* x, int64_t token_stride, int64_t head_stride, int64_t heads, const int64_t* positions,
           const float* table, int64_t width, int64_t tokens, T* out, int threads) {
   const int64_t half = width / 2;
-#pragma omp parallel for num_threads(threads) if (tokens >= kParallelRows)
+#pragma omp parallel for num_threads(threads) if (tokens >= kParallelRopeRows)
   for (int64_t t = 0; t < tokens; ++t) {
     const float* cos = table + positions[t] * width;
     const float* sin = cos + half;
@@ -156,7 +163,7 @@ template <>
 void add_rms_norm<uint16_t>(const uint16_t* x, int64_t x_stride, const uint16_t* residual, int64_t residual_stride,
                             const uint16_t* weight, int64_t rows, int64_t cols, float eps, uint16_t* normed,
                             uint16_t* sum, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows >= kParallelRows)
+#pragma omp parallel for num_threads(threads) if (rows >= kParallelNormRows)
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* source = x + r * x_stride;
     __m512 squares = _mm512_setzero_ps();
@@ -165,9 +172,14 @@ void add_rms_norm<uint16_t>(const uint16_t* x, int64_t x_stride, const uint16_t*
       uint16_t* total = sum + r * cols;
       for (int64_t c = 0; c < cols; c += 16) {
         const __mmask16 m = lanes(cols - c);
-        store16(total + c, m, _mm512_add_ps(load16(source + c, m), load16(add + c, m)));
-        const __m512 rounded = load16(total + c, m);  // the squares of the sum as stored, as torch takes them
-        squares = _mm512_fmadd_ps(rounded, rounded, squares);
+        // The sum rounded to bfloat16 in the registers, stored, and squared as stored (as torch takes it). Read back
+        // from memory instead, each chunk waited for its masked store, which does not forward to a load: an 80-row
+        // norm of 576 columns took 34 us that way and takes 14 now (AMD EPYC Zen 4, one thread).
+        const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(load16(source + c, m), load16(add + c, m)));
+        _mm256_mask_storeu_epi16(total + c, m, reinterpret_cast<__m256i>(rounded));
+        const __m512 stored =
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(rounded)), 16));
+        squares = _mm512_fmadd_ps(stored, stored, squares);
       }
       source = total;
     } else {
