@@ -31,6 +31,28 @@ def compiles_kernels(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def warm_up_passes(block_size: int, long_chunk: int, decode_only: bool, adapters: bool
+                   ) -> list[tuple[list[int], list[int]]]:
+    """The warm-up's steps as (query lengths, contexts): what a job's steps launch, so that no kernel variant
+    compiles inside one (tests/test_start_up.py runs jobs and finds every variant they launch among these).
+    - a chunk from scratch, a chunk after a cached context and two decodes that share no block;
+    - a chunk beside two decodes that share two blocks (the shared-prefix decode of a mixed step: its first launch
+      inside a job made one 8B step wait 92.5% of it on the host);
+    - a `long_chunk`-token chunk (the prefill kernel's other tile);
+    - with `decode_only` (decode-only steps run eagerly: no padded decode path, as with LoRA adapters or
+      engine.cuda_graphs=false), two decode-only steps, one with two decodes sharing two blocks beside a third and
+      one with none shared: without indexed chunk rows their kernels take other variants;
+    - with `adapters`, the first sequence of each step runs the first adapter, and a 40-token chunk is added: the
+      LoRA kernel's tile follows the step's longest run of one adapter (up to 16, 64 and more tokens)."""
+    size = block_size
+    passes = [([5, 3, 1, 1], [0, size, 2 * size, 3]), ([3, 1, 1], [size, 2 * size, 2 * size]), ([long_chunk], [0])]
+    if decode_only:
+        passes += [([1, 1, 1], [2 * size, 2 * size, 3]), ([1, 1], [3, 5])]
+    if adapters:
+        passes.append(([min(40, long_chunk)], [0]))
+    return passes
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, padded_decode: str = "off", max_num_seqs: int = 256,
@@ -46,10 +68,11 @@ class ModelRunner:
         self._staged: torch.cuda.Event | None = None  # the last copy out of `_staging`
         self._argmax = argmax_for(device)
         self.decoder = None
+        padded = padded_decode != "off" and not model.adapters  # the padded buffers and graphs hold no adapter deltas
         if compiles_kernels(device):
             on_phase(COMPILING)
-            self.warm_up()
-        if padded_decode != "off" and not model.adapters:  # the padded buffers and graphs hold no adapter deltas
+            self.warm_up(decode_only=not padded)
+        if padded:
             if padded_decode == "graphs":
                 on_phase(CAPTURING)
             self.decoder = PaddedDecode(model, self.kv_caches, block_size, max_num_seqs, device,
@@ -69,18 +92,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def warm_up(self, long_chunk: int = WARM_UP_LONG_CHUNK) -> None:
-        """Compile the kernels before the first step: on an H200 the first 3 steps of a fresh machine spent 5 s in
-        Triton compiles. One forward over a chunk from scratch, a chunk after a cached context and two decodes that
-        share no block; one over a chunk beside two decodes that share two blocks (the shared-prefix decode of a
-        mixed step: its first launch inside a job made one 8B step wait 92.5% of it on the host); then one over a
-        `long_chunk`-token chunk (the other prefill tile); each with a greedy pick. Every block table is all block
-        0 and every slot -1, so nothing is written to the pool (the padded decode path warms its own kernels as it
-        captures)."""
+    def warm_up(self, long_chunk: int = WARM_UP_LONG_CHUNK, decode_only: bool = False) -> None:
+        """Compile the kernels before the first step (on an H200 the first 3 steps of a fresh machine spent 5 s in
+        Triton compiles): a greedy forward over each of `warm_up_passes`. Every block table is all block 0 and every
+        slot -1, so nothing is written to the pool (the padded decode path warms its own kernels as it captures)."""
         size, longest = self.block_size, self.model.config.max_positions
-        passes = (([5, 3, 1, 1], [0, size, 2 * size, 3]), ([3, 1, 1], [size, 2 * size, 2 * size]),
-                  ([min(long_chunk, longest)], [0]))
-        for query_lens, contexts in passes:
+        with_adapters = bool(self.model.adapters)
+        for query_lens, contexts in warm_up_passes(size, min(long_chunk, longest), decode_only, with_adapters):
             query_lens, contexts = np.array(query_lens), np.array(contexts)
             seq_lens = contexts + query_lens
             query_start = np.concatenate([[0], np.cumsum(query_lens)])
@@ -89,13 +107,15 @@ class ModelRunner:
             greedy = SamplingBatch(np.zeros(len(rows), np.float32), np.zeros(len(rows), np.int32),
                                    np.ones(len(rows), np.float32), np.zeros(len(rows), np.uint64),
                                    np.zeros(len(rows), np.int64))
+            adapters = np.zeros(len(positions), np.int32)
+            adapters[: query_lens[0]] = with_adapters  # the first sequence under the first adapter, the rest base
             inputs = ForwardInputs(
                 input_ids=np.zeros(len(positions), np.int64), positions=positions,
                 slot_mapping=np.full(len(positions), -1, np.int64), query_start=query_start.astype(np.int32),
                 seq_lens=seq_lens.astype(np.int32), block_tables=np.zeros((len(rows), -(-seq_lens.max() // size)),
                                                                           np.int32),
                 logits_rows=rows, sampled=np.arange(len(rows)), sampling=greedy, prefilled=np.zeros(0, np.int64),
-                token_adapters=np.zeros(len(positions), np.int32), may_end=np.zeros(len(rows), bool))
+                token_adapters=adapters, may_end=np.zeros(len(rows), bool))
             if self.model.lm_head is None:  # a classifier's or embedder's model makes hidden states only
                 self._hidden(inputs, rows)
             else:

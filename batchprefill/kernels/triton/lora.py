@@ -17,12 +17,12 @@ import triton
 import triton.language as tl
 
 from batchprefill.kernels.lora import LoraStep, LoraWeights
-from batchprefill.kernels.triton.attention import interpreting
+from batchprefill.kernels.triton.attention import interpreting, jit_unspecialized
 
 MIN_DOT = 16  # tl.dot's smallest tile side
 
 
-@triton.jit
+@jit_unspecialized("num_segments")  # a step's runs of one adapter: 1 in one step, 37 in the next
 def _lora_kernel(
     x_ptr,
     a_ptr,
