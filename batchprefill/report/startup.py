@@ -21,10 +21,8 @@ class StartupClock:
 
     def __init__(self):
         self.tell: Callable[[str], None] = say_nothing
-        self.began = time.perf_counter()
-        self.build_began: float | None = None
+        self.began = self.build_began = self.ready = time.perf_counter()
         self.phases: list[tuple[str, float]] = []
-        self.ready: float | None = None
 
     def __call__(self, phase: str) -> None:
         self.phases.append((phase, time.perf_counter()))
@@ -43,9 +41,7 @@ class StartupClock:
         """`prepare_seconds`: from the job's start to the engine's build (tokenizing, partitioning, the resume check,
         compiling the job's grammar); `warm_up_seconds`: compiling kernels and capturing graphs (a GPU's; 0 on a
         CPU); `load_seconds`: the rest of the build (the weights, adapters and KV pool onto the device)."""
-        build_began = self.began if self.build_began is None else self.build_began
-        ready = build_began if self.ready is None else self.ready
-        ends = [began for _, began in self.phases[1:]] + [ready]
+        ends = [began for _, began in self.phases[1:]] + [self.ready]
         warm_up = sum(end - began for (phase, began), end in zip(self.phases, ends) if phase in WARM_UP_PHASES)
-        return {"prepare_seconds": build_began - self.began, "load_seconds": ready - build_began - warm_up,
-                "warm_up_seconds": warm_up}
+        return {"prepare_seconds": self.build_began - self.began,
+                "load_seconds": self.ready - self.build_began - warm_up, "warm_up_seconds": warm_up}

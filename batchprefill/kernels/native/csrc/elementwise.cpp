@@ -12,12 +12,12 @@
 //
 // RMSNorm splits a call of 16 rows or more across the threads: between a step's matmuls the residual and the
 // weight come from memory, not the caches, and one core does not draw the bandwidth two do. With the caches flushed
-// before each call (AMD EPYC Zen 4), 2 threads took a bfloat16 norm of 16-160 rows in 0.59-0.77x one thread's
-// time (80 rows: 16.9 against 24.5 us), level at 4-8 rows; in the decode job (benchmarks/cpu/step_ops.py, 80 rows)
-// the norms went from 3.5-4.5 to 2.2-2.4 ms a step. RoPE reads the projection the matmul has just written, from
-// the caches: split the same way it was no faster (1.1-1.7 against 1.1-1.4 ms a step), so it stays on the calling
-// thread up to 512 rows (a long prefill chunk). Every row is computed by one thread in one order, so the bits do
-// not depend on the split.
+// before each call (benchmarks/cpu/norm_threads.py, AMD EPYC Zen 4), 2 threads take a bfloat16 norm of 16-160 rows
+// in 0.58-0.78x one thread's time (80 rows: 16.1 against 22.0 us); a build splitting from one row measured 4-8 rows
+// level. In the decode job (benchmarks/cpu/step_ops.py, 80 rows) the norms went from 3.5-4.5 to 2.2-2.4 ms a step.
+// RoPE reads the projection the matmul has just written, from the caches: split the same way it was no faster
+// (1.1-1.7 against 1.1-1.4 ms a step), so it stays on the calling thread up to 512 rows (a long prefill chunk).
+// Every row is computed by one thread in one order, so the bits do not depend on the split.
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
