@@ -14,7 +14,7 @@ from batchprefill.intmath import cdiv
 from batchprefill.kernels.native import build as native
 from batchprefill.kernels.native import paged_decode
 from batchprefill.kernels.torch.decode_groups import DecodePlan
-from batchprefill.kernels.torch.ops import TorchOps
+from batchprefill.kernels.torch.ops import TorchOps, _route_chunks
 from tests.test_prefix_groups import flat_batch
 
 
@@ -235,6 +235,39 @@ def test_in_tile_walks_each_response_walks_from_0_with_each_lane_stopping_at_its
     assert tiled.sets[:, 1:].tolist() == [[10, 60]] * 4
     assert tiled.own_lens.tolist() == [0] * 40
     assert sorted(tiled.lane_lengths.tolist()) == sorted(list(range(51, 61)) * 4)
+
+
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_every_prefill_chunk_walks_the_pool_and_equals_the_fused_calls(kernel, pool):
+    # a 300-token prompt from scratch (90,000 query-key pairs: too many for group attention's dense mask, so it ran
+    # alone in torch's fused kernel), a 40-token one (group attention), 200 tokens after 40 cached (alone), and a
+    # decode: where the vector walks run, all of them are the kernel's rows and no fused call is left
+    query_dtype = torch.float32 if pool == torch.float32 else torch.bfloat16
+    tables, q_lens, seq_lens = [list(range(0, 19)), [19, 20, 21], list(range(22, 37)), [37, 38]], [300, 40, 200, 1], \
+        [300, 40, 240, 20]
+    query, k_cache, v_cache, meta = flat_batch(q_lens, seq_lens, tables, 9, 3, 64, 16, num_blocks=40, seed=2)
+    query, k_cache, v_cache = query.to(query_dtype), k_cache.to(pool), v_cache.to(pool)
+    ops = TorchOps()
+    planned = ops.plan(meta, k_cache, 9, query.dtype)
+    if pool == torch.bfloat16 and kernel.uses_tiles(16, 64):  # AMX: the tile walks keep the fused routes (below)
+        assert planned.plan.alone == [0, 2] and len(planned.plan.batches) == 1
+    else:
+        assert planned.plan.batches == [] and planned.plan.alone == []
+        assert planned.plan.decodes.rows.shape[0] == sum(q_lens)  # every query row of the step
+    got = ops.attention(query, k_cache, v_cache, planned, 0.125).float()
+    want = TorchOps(native=False).attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    # float32: the same sums in another order; bfloat16 outputs: their rounding (values below 5: 2^-6 apart there)
+    assert float((got - want).abs().max()) < (1e-5 if pool == torch.float32 else TILE_TOLERANCE)
+
+
+def test_beside_the_tile_walks_chunks_keep_the_fused_routes():
+    # routes by (queries, context): short after a whole cached block -> walked; short from scratch -> grouped;
+    # over GROUPED_MAX_PAIRS (65,536) query-key pairs -> alone. Where the vector walks run, every chunk walks.
+    q_lens, seq_lens = [1, 20, 20, 300, 300], [30, 40, 20, 300, 340]
+    meta = flat_batch(q_lens, seq_lens, [[0, 1, 2]] * 5, block=16)[3]
+    assert _route_chunks(meta, 16, paged=True, tiles=True) == ([1], [2], [3, 4])
+    assert _route_chunks(meta, 16, paged=False, tiles=False) == ([], [1, 2], [3, 4])
+    assert _route_chunks(meta, 16, paged=True, tiles=False) == ([1, 2, 3, 4], [], [])
 
 
 chunk_groups = st.lists(st.tuples(st.integers(0, 5), st.lists(st.tuples(st.integers(0, 40), st.integers(2, 90)),

@@ -1,10 +1,16 @@
 """Shared-prefix group attention on the torch path: sequences that share prefix blocks give what each alone gives."""
 
+import functools
+
 import torch
 
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.torch.ops import GROUPED_MAX_PAIRS, TorchOps
 from batchprefill.kernels.torch.prefix_groups import PADDING_BUDGET, batch_groups, find_groups
+
+# The routes under test: without the C++ kernel every chunk goes to group attention or alone (with it, chunks walk the
+# pool: tests/test_paged_decode.py).
+GROUPING = functools.partial(TorchOps, native=False)
 
 
 def flat_batch(q_lens, seq_lens, tables, heads=6, kv_heads=2, dim=16, block=4, num_blocks=64, seed=0):
@@ -41,7 +47,7 @@ def test_groups_are_the_deepest_prefix_shared_and_match_each_sequence_alone():
         ([0, 1, 2], shared_a), ([3, 4], shared_b), ([5], []), ([6], [])]
     group_a = next(g for g in groups if g.members == [0, 1, 2])
     assert group_a.keys == shared_a + [30, 31, 32, 33, 34, 35]  # the shared blocks once, then each member's own
-    got = TorchOps().attention(query, k_cache, v_cache, meta, 0.25)
+    got = GROUPING().attention(query, k_cache, v_cache, meta, 0.25)
     assert torch.allclose(got, one_by_one(query, k_cache, v_cache, meta, 0.25), atol=1e-5)
 
 
@@ -49,7 +55,7 @@ def test_a_query_inside_a_shared_block_never_counts_it_as_shared():
     tables = [[7, 8, 9], [7, 8, 9]]  # same physical blocks, but one sequence is still prefilling block 8
     query, k_cache, v_cache, meta = flat_batch([6, 1], [10, 12], tables)
     assert [g.keys[: g.shared] for g in find_groups(meta, [0, 1], tables, 4)] == [[7]]
-    got = TorchOps().attention(query, k_cache, v_cache, meta, 0.3)
+    got = GROUPING().attention(query, k_cache, v_cache, meta, 0.3)
     assert torch.allclose(got, one_by_one(query, k_cache, v_cache, meta, 0.3), atol=1e-5)
 
 
@@ -60,7 +66,7 @@ def test_a_mixed_batch_of_decodes_short_and_long_chunks_matches_each_sequence_al
     q_lens = [1, 1, 9, 12, 1, 7, 70]
     seq_lens = [13, 14, 20, 12, 16, 19, 75]
     query, k_cache, v_cache, meta = flat_batch(q_lens, seq_lens, tables, seed=3)
-    ops = TorchOps()
+    ops = GROUPING()
     meta = ops.plan(meta, k_cache, query.shape[1], query.dtype)
     assert meta.plan.alone == []  # all short enough to group
     got = ops.attention(query, k_cache, v_cache, meta, 0.2)
@@ -72,7 +78,7 @@ def test_chunks_too_long_for_a_dense_mask_run_alone(monkeypatch):
     assert GROUPED_MAX_PAIRS > 70 * 75  # the real limit groups this chunk; the lowered one does not
     tables = [[3, 4, 5, 20], list(range(40, 59))]
     query, k_cache, v_cache, meta = flat_batch([1, 70], [13, 75], tables, seed=4)
-    ops = TorchOps()
+    ops = GROUPING()
     meta = ops.plan(meta, k_cache, query.shape[1], query.dtype)
     assert meta.plan.alone == [1]
     got = ops.attention(query, k_cache, v_cache, meta, 0.2)
@@ -91,7 +97,7 @@ def test_groups_of_very_different_sizes_go_to_separate_batches_within_the_paddin
         real = sum(len(g.members) * len(g.keys) for g in batch)
         padded = len(batch) * max(len(g.members) for g in batch) * max(len(g.keys) for g in batch)
         assert padded <= PADDING_BUDGET * real
-    got = TorchOps().attention(query, k_cache, v_cache, meta, 0.25)
+    got = GROUPING().attention(query, k_cache, v_cache, meta, 0.25)
     assert torch.allclose(got, one_by_one(query, k_cache, v_cache, meta, 0.25), atol=1e-5)
 
 
@@ -100,7 +106,7 @@ def test_half_precision_queries_and_cache_stay_close_to_float32():
     tables = [shared + [20], shared + [21], shared + [22, 23]]
     query, k_cache, v_cache, meta = flat_batch([1, 1, 6], [13, 14, 20], tables, seed=7)
     reference = one_by_one(query, k_cache, v_cache, meta, 0.25)
-    got = TorchOps().attention(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.25)
+    got = GROUPING().attention(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.25)
     assert got.dtype == torch.bfloat16
     assert torch.allclose(got.float(), reference, atol=3e-2, rtol=3e-2)
 
@@ -111,7 +117,7 @@ def test_long_chunks_over_a_short_shared_prefix_stay_apart():
     query, k_cache, v_cache, meta = flat_batch([40, 40, 40], [52, 52, 52], tables, seed=6)
     groups = find_groups(meta, [0, 1, 2], tables, 4)
     assert [g.members for g in groups] == [[0], [1], [2]] and all(g.shared == 0 for g in groups)
-    got = TorchOps().attention(query, k_cache, v_cache, meta, 0.25)
+    got = GROUPING().attention(query, k_cache, v_cache, meta, 0.25)
     assert torch.allclose(got, one_by_one(query, k_cache, v_cache, meta, 0.25), atol=1e-5)
 
 
@@ -121,7 +127,7 @@ def test_a_batch_gathers_at_most_the_key_block_budget(monkeypatch):
     query, k_cache, v_cache, meta = flat_batch([1] * 5, [10, 11, 12, 10, 9], tables, seed=8)
     batches = batch_groups(find_groups(meta, list(range(5)), tables, 4), meta)
     assert [len(batch) for batch in batches] == [2, 2, 1]  # 2 x 3 blocks fit in 8, 3 x 3 do not
-    got = TorchOps().attention(query, k_cache, v_cache, meta, 0.25)
+    got = GROUPING().attention(query, k_cache, v_cache, meta, 0.25)
     assert torch.allclose(got, one_by_one(query, k_cache, v_cache, meta, 0.25), atol=1e-5)
 
 

@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="engine.kv_cache_dtype for both revisions")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bp-revisions"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -57,7 +59,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     names = args.only.split(",")
     report: dict = {"command": " ".join(sys.argv), "baseline": args.baseline, "dtype": args.dtype,
-                    "threads": args.threads, "cpu": wl.cpu_model()}
+                    "kv_cache_dtype": args.kv_cache_dtype, "threads": args.threads, "cpu": wl.cpu_model()}
     with checkout(args.baseline) as baseline:
         trees = {"this": REPO, "baseline": baseline}
         for workload in wl.all_workloads():

@@ -2,10 +2,11 @@
 
 On the CPU, a step's decodes go through shared-prefix decode attention, one C++ call per layer that reads the pool
 in place (`kernels/native/paged_decode.py`; where it is not built, gathered copies and fused calls,
-`decode_groups.py`): each group's shared blocks read once, then each decode's own. Short chunks after a cached
-block join that call, their rows walking the pool like decodes (a best-of-8 reward job's attention: 2.1x faster
-than the padded calls). Other short chunks go through group attention (`prefix_groups.py`): a few fused calls for
-the whole step. Chunks too long for its dense mask run one fused call each.
+`decode_groups.py`): each group's shared blocks read once, then each decode's own. Prefill chunks join that call,
+their rows walking the pool like decodes (a best-of-8 reward job's attention: 2.1x faster than the padded calls; a
+512-token prompt's about 2x faster than torch's fused kernel; `_route_chunks` has the figures). Where the kernel is
+not built, and beside the AMX tile walks, short chunks go through group attention (`prefix_groups.py`): a few fused
+calls for the whole step; chunks too long for its dense mask run one fused call each.
 
 With `batch_invariant` every query row, a chunk's as well as a decode's, goes through the C++ kernel instead
 (`PagedDecode.plan_every_row`): a fused call's tiling follows its shapes, so a row's bits would depend on how its
@@ -59,6 +60,33 @@ def _cached_then_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return prefix_out * torch.exp(prefix_lse - lse)[..., None] + chunk_out * torch.exp(chunk_lse - lse)[..., None]
 
 
+def _route_chunks(meta: AttentionMetadata, block: int, paged: bool, tiles: bool
+                  ) -> tuple[list[int], list[int], list[int]]:
+    """A step's prefill chunks as (walked by the C++ kernel, grouped, alone).
+
+    Where the kernel's vector walks run (`paged` and not `tiles`), every chunk walks: its rows in runs that read
+    the blocks before them once (`paged_decode._chunk_sets`), each row's online softmax in float32. Against the fused
+    calls they replace, 2 threads, SmolLM2's heads (9 of 64 over 3), 16-token blocks, AMD EPYC Zen 4
+    (`benchmarks/cpu/chunk_routes.py`): a 512-token chunk from scratch 0.51x in float32, 0.60x in bfloat16, 0.46x over
+    an FP8 pool; 384 tokens after 64 cached 0.46, 0.54 and 0.40x; 2,048 from scratch 0.69, 0.74 and 0.58x; eight
+    64-token prompts 0.81, 1.16 and 0.73x; Llama's and Qwen's heads alike. torch's fused CPU kernel reaches 60-65
+    GFLOP/s there, the walks 110-130. In a decode-heavy job the prefill steps' attention halved (step_ops.py).
+
+    The AMX tile walks (`tiles`) keep the old routes, unmeasured against them: short chunks after a whole cached
+    block walk, other short chunks go to group attention, long ones run alone in torch's fused kernel, which takes
+    bfloat16 on the tiles there (163-257 GFLOP/s on one Xeon core). Without the kernel, the last two routes take
+    every chunk."""
+    lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
+    chunks = [s for s, n in enumerate(lens) if n > 1]
+    if paged and not tiles:
+        return chunks, [], []
+    short = [s for s in chunks if lens[s] * seq_lens[s] <= GROUPED_MAX_PAIRS]
+    alone = [s for s in chunks if lens[s] * seq_lens[s] > GROUPED_MAX_PAIRS]
+    # short chunks after a whole cached block: the kernel's walks (PagedDecode.plan); the rest, group attention
+    walked = [s for s in short if paged and seq_lens[s] - lens[s] >= block]
+    return walked, [s for s in short if s not in walked], alone
+
+
 @dataclass(frozen=True)
 class TorchPlan:
     """A step's attention layout on the torch path: its decodes, its batches of grouped short chunks, and the
@@ -100,10 +128,10 @@ class TorchOps:
 
     def plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, dtype: torch.dtype
              ) -> AttentionMetadata:
-        """Group the step's sequences once for all layers: decodes by the prefix they share, with the short chunks
-        after a cached block (kernels/native/paged_decode.py; decodes through decode_groups.py where the kernel is
-        not built or lacks the KV dtype), other short chunks into padded group batches (prefix_groups.py), long
-        chunks alone."""
+        """Group the step's sequences once for all layers: decodes by the prefix they share, with the chunks
+        `_route_chunks` walks (kernels/native/paged_decode.py; decodes through decode_groups.py where the kernel is
+        not built or lacks the KV dtype), the short chunks it groups into padded group batches (prefix_groups.py),
+        the long ones alone."""
         block, per_kv = k_cache.shape[1], num_q_heads // k_cache.shape[2]
         lens, tables = meta.query_lens_host, meta.block_tables.tolist()
         # the C++ kernel walks host memory: on a GPU this backend is the reference, all torch ops on the device
@@ -116,13 +144,7 @@ class TorchOps:
             windowed = functools.cache(functools.partial(self._paged.plan_windowed, meta, tables, block))
             return meta.with_plan(TorchPlan(every_row, [], [], windowed))
         decodes = [s for s, n in enumerate(lens) if n == 1]
-        pairs = [n * seq_len for n, seq_len in zip(lens, meta.seq_lens_host)]
-        short = [s for s, n in enumerate(lens) if n > 1 and pairs[s] <= GROUPED_MAX_PAIRS]
-        alone = [s for s, n in enumerate(lens) if n > 1 and pairs[s] > GROUPED_MAX_PAIRS]
-        # short chunks after a whole cached block: the kernel's walks (PagedDecode.plan); the rest, group attention
-        after_cached = {s for s in short if meta.seq_lens_host[s] - lens[s] >= block} if paged else set()
-        walked = [s for s in short if s in after_cached]
-        grouped = [s for s in short if s not in after_cached]
+        walked, grouped, alone = _route_chunks(meta, block, paged, tiles)
         batches = [pad_batch(batch, meta, block, per_kv, dtype, k_cache.device)
                    for batch in batch_groups(find_groups(meta, grouped, tables, block), meta)]
         if paged:
