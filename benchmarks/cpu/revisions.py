@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,16 @@ def checkout(rev: str) -> Iterator[Path]:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
 
 
+def runs_from(tree: Path) -> None:
+    """Refuse to go on unless a job started as `run_batchprefill` starts it imports `tree`'s code. Before this check
+    the jobs ran in the caller's working directory, which `python -m` puts ahead of PYTHONPATH: started from the
+    repository's root, the baseline ran this checkout's code, and every figure compared the checkout with itself."""
+    found = subprocess.run([sys.executable, "-c", "import batchprefill; print(batchprefill.__file__)"], cwd=tree,
+                           env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=True)
+    if not Path(found.stdout.strip()).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"a job for {tree} would import {found.stdout.strip()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="a git revision")
@@ -56,12 +67,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.model = None  # the shipped model, as compare.run_batchprefill reads it
+    args.work = args.work.resolve()  # the jobs run in the trees
     args.work.mkdir(parents=True, exist_ok=True)
     names = args.only.split(",")
     report: dict = {"command": " ".join(sys.argv), "baseline": args.baseline, "dtype": args.dtype,
                     "kv_cache_dtype": args.kv_cache_dtype, "threads": args.threads, "cpu": wl.cpu_model()}
     with checkout(args.baseline) as baseline:
         trees = {"this": REPO, "baseline": baseline}
+        for tree in trees.values():
+            runs_from(tree)
         for workload in wl.all_workloads():
             if workload.name not in names:
                 continue
@@ -72,7 +86,7 @@ def main() -> None:
             for _ in range(args.runs):
                 for label, tree in trees.items():
                     result = compare.run_batchprefill(path, args.work, label, workload.max_tokens, pool, args,
-                                                      env={"PYTHONPATH": str(tree)})
+                                                      env={"PYTHONPATH": str(tree)}, cwd=tree)
                     seconds[label].append(round(result["generate_seconds"], 2))
             report[workload.name] = seconds
             print(f"{workload.name}: engine loop s, this {seconds['this']}, {args.baseline} {seconds['baseline']}",

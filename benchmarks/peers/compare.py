@@ -114,14 +114,15 @@ def wait_quiet(limit: float) -> None:
         time.sleep(0.2)
 
 
-def measure(command: list[str], env: dict | None = None, log: Path | None = None) -> dict:
-    """Run one engine to the end; its stdout, wall time, peak tree RSS and CPU seconds."""
+def measure(command: list[str], env: dict | None = None, log: Path | None = None, cwd: Path | None = None) -> dict:
+    """Run one engine to the end, in `cwd` (default: this process's); its stdout, wall time, peak tree RSS and CPU
+    seconds."""
     wait_quiet(float(os.environ.get("BENCH_QUIET_WAIT", QUIET_WAIT)))
     started = time.perf_counter()
     with open(log or os.devnull, "w") as err:
         # Its own process group, so that an interrupted harness takes vLLM's engine processes down with it.
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True,
-                                   env={**os.environ, **(env or {})}, start_new_session=True)
+                                   env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True)
         sampler = TreeSampler(process.pid)
         sampler.start()
         try:
@@ -139,7 +140,9 @@ def measure(command: list[str], env: dict | None = None, log: Path | None = None
 
 
 def run_batchprefill(path: Path, work: Path, label: str, max_tokens: int, pool: int, args, env: dict | None = None,
-                     **overrides) -> dict:
+                     cwd: Path | None = None, **overrides) -> dict:
+    """One job through `python -m batchprefill.run`. `-m` puts the working directory first on the module path, ahead
+    of PYTHONPATH: a caller running other code (revisions.py's baseline) must give its tree as `cwd` as well."""
     import polars as pl
 
     out = work / f"bp-{label}"
@@ -154,7 +157,7 @@ def run_batchprefill(path: Path, work: Path, label: str, max_tokens: int, pool: 
     if getattr(args, "model", None):  # other harnesses (lora.py, pooling.py) call this with their own arguments
         settings |= {"model": "hf", "model.path": args.model}
     command = [sys.executable, "-m", "batchprefill.run", *(f"{k}={v}" for k, v in settings.items())]
-    result = measure(command, env=env, log=work / f"bp-{label}.log")
+    result = measure(command, env=env, log=work / f"bp-{label}.log", cwd=cwd)
     job = pl.read_parquet(out / "stats" / "job.parquet").row(0, named=True)
     results = pl.read_parquet(out / "results").select("id", "output_token_ids")
     outputs = {i: list(t) for i, t in zip(results["id"], results["output_token_ids"])}
