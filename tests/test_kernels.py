@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from batchprefill.engine.decode_graphs import PaddedDecode
+from batchprefill.kernels.torch import elementwise as torch_elementwise
 from batchprefill.kernels.torch.ops import TorchOps
 from batchprefill.kernels.triton.attention import _decode_kernel, _merge_kernel, _prefill_kernel
 from batchprefill.kernels.triton.ops import TritonOps, prefill_warps_and_stages
@@ -85,6 +86,19 @@ def test_rope(dtype: torch.dtype, head_dim: int) -> None:
     want_q, want_k = TorchOps().rope(query, key, positions, cos_sin)
     assert_close(got_q, want_q, dtype)
     assert_close(got_k, want_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "gelu"])
+def test_gated_activation(dtype: torch.dtype, activation: str) -> None:
+    # 1,100 columns: one full 1,024-column program per row and a ragged one; gates out to +-12, where the tanh
+    # and the sigmoid saturate
+    gen = torch.Generator().manual_seed(len(activation))
+    gate_up = (4 * torch.randn(5, 2 * 1100, generator=gen)).to(dtype)
+    got = TritonOps().gated_activation(gate_up, activation)
+    want = torch_elementwise.gated_activation(gate_up, activation)
+    assert got.shape == (5, 1100)
+    assert_close(got, want, dtype)
 
 
 # (sequences as (context, queries), q heads, kv heads, head dim, block size, TritonOps settings)

@@ -1,5 +1,5 @@
-"""The C++ RMSNorm, RoPE and KV store (kernels/native/elementwise.py) give what the torch ops give, on the layouts the
-model hands them, and leave what they do not take to torch."""
+"""The C++ RMSNorm, RoPE, KV store and gated SiLU (kernels/native/elementwise.py) give what the torch ops give, on the
+layouts the model hands them, and leave what they do not take to torch."""
 
 import pytest
 import torch
@@ -107,6 +107,30 @@ def test_bfloat16_rope_and_kv_store_equal_the_torch_ops(kernels):
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
 
 
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (80, 1536), (600, 100)])  # 600: split; 100: a ragged tail
+def test_silu_of_the_gate_times_up_equals_the_torch_ops_in_float32(kernels, rows, width):
+    generator = torch.Generator().manual_seed(rows)
+    gate_up = 4 * torch.randn(rows, 2 * width, generator=generator)
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])  # where the sigmoid is 1/2, 1 and about e^-90
+    got = kernels.gated_activation(gate_up, "silu")
+    want = torch_elementwise.gated_activation(gate_up, "silu")
+    assert got.shape == (rows, width) and got.is_contiguous()
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_bfloat16_silu_rounds_once_where_the_torch_ops_round_the_activation_and_the_product(kernels):
+    # float32 arithmetic on the same bfloat16 gate and up in both; torch rounds silu(gate) to bfloat16 before the
+    # product, this rounds the product once: it is the float32 result rounded (half a step, 2^-8 of it, at most)
+    gate_up = (4 * torch.randn(80, 2 * 1536, generator=torch.Generator().manual_seed(5))).bfloat16()
+    got = kernels.gated_activation(gate_up, "swish")
+    exact = torch_elementwise.gated_activation(gate_up.float(), "silu")
+    torch_ops = torch_elementwise.gated_activation(gate_up, "silu")
+    assert got.dtype == torch.bfloat16
+    assert float(((got.float() - exact).abs() / exact.abs().clamp_min(1e-30)).max()) <= 2**-8 * (1 + 1e-5)
+    assert float((got != exact.bfloat16()).float().mean()) < 0.01  # the exp's last bits tip a few ties
+    assert float((got.float() - exact).abs().sum()) < float((torch_ops.float() - exact).abs().sum())
+
+
 def test_a_dtype_the_kernels_lack_and_mixed_dtypes_run_the_torch_ops(kernels):
     x, weight = torch.randn(4, 16).half(), torch.ones(16, dtype=torch.half)
     assert torch.equal(kernels.rms_norm(x, weight, 1e-5)[0], torch_elementwise.rms_norm(x, weight, 1e-5)[0])
@@ -120,3 +144,14 @@ def test_the_torch_backend_takes_them_only_when_native(kernels):
     assert TorchOps(native=False).rms_norm is torch_elementwise.rms_norm
     assert TorchOps().rope.__func__ is native_elementwise.NativeElementwise.rope
     assert TorchOps().store_kv.__func__ is native_elementwise.NativeElementwise.store_kv
+    assert TorchOps().gated_activation.__func__ is native_elementwise.NativeElementwise.gated_activation
+    assert TorchOps(native=False).gated_activation is torch_elementwise.gated_activation
+
+
+def test_gelu_and_half_precision_gates_run_the_torch_ops(kernels):
+    gate_up = torch.randn(6, 32)
+    for activation in ("gelu", "gelu_pytorch_tanh"):
+        assert torch.equal(kernels.gated_activation(gate_up, activation),
+                           torch_elementwise.gated_activation(gate_up, activation))
+    assert torch.equal(kernels.gated_activation(gate_up.half(), "silu"),
+                       torch_elementwise.gated_activation(gate_up.half(), "silu"))

@@ -105,6 +105,10 @@ class Ops(Protocol):
         `cos_sin` is `[max_positions, D]`: the first D/2 columns are cos, the last D/2 sin.
         """
 
+    def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """A gated MLP's `act(gate) * up`, `[T, I]`, from the fused gate and up projection `[T, 2I]` (gate first);
+        `activation` one of `kernels/torch/elementwise.ACTIVATIONS`' names."""
+
     def moe(
         self, hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:

@@ -18,7 +18,10 @@
    path and its log-sum-exp merge in torch.
 5. RMSNorm with the residual add, and RoPE of queries and keys, at an 80-row decode step: one C++ pass per row
    (`kernels/native/elementwise.py`) against the torch ops, each call after the caches were flushed by a 64 MB
-   pass, as they are between a step's weight-streaming matmuls.
+   pass, as they are between a step's weight-streaming matmuls. The gated MLP's silu(gate) * up likewise, in float32
+   and bfloat16, with its input in the caches (the gate and up projection has just written it).
+
+`--only elementwise` (or a comma list of linear, chunk, attention, elementwise) runs those parts alone.
 
 Times are medians of repeated calls after warm-up; ratios are what carry to other machines.
 """
@@ -195,6 +198,12 @@ def elementwise_rows(repeat: int) -> list[dict]:
         ours = cold_median_ms(lambda: call(kernels), repeat)  # noqa: B023
         rows.append({"op": f"{name}, caches flushed", "tokens": 80, "baseline_ms": plain, "ours_ms": ours,
                      "speedup": plain / ours, "ours_gflops": None})
+    for dtype in (torch.float32, torch.bfloat16):
+        gate_up = torch.randn(80, 2 * INTERMEDIATE, generator=generator).to(dtype)
+        plain = median_ms(lambda: torch_elementwise.gated_activation(gate_up, "silu"), repeat)  # noqa: B023
+        ours = median_ms(lambda: kernels.gated_activation(gate_up, "silu"), repeat)  # noqa: B023
+        rows.append({"op": f"silu(gate) * up, {str(dtype).removeprefix('torch.')}", "tokens": 80,
+                     "baseline_ms": plain, "ours_ms": ours, "speedup": plain / ours, "ours_gflops": None})
     return rows
 
 
@@ -202,13 +211,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--only", default="linear,chunk,attention,elementwise", help="a comma list of parts")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     malloc.keep_freed_memory()
     torch.set_num_threads(args.threads)
+    parts = {"linear": lambda: linear_rows(args.repeat), "chunk": lambda: chunk_rows(max(5, args.repeat // 3)),
+             "attention": lambda: attention_rows(args.repeat), "elementwise": lambda: elementwise_rows(args.repeat)}
     with torch.inference_mode():
-        rows = (linear_rows(args.repeat) + chunk_rows(max(5, args.repeat // 3)) + attention_rows(args.repeat)
-                + elementwise_rows(args.repeat))
+        rows = [row for part in args.only.split(",") for row in parts[part]()]
     print("| op | tokens | baseline ms | ours ms | speedup | ours GFLOP/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:

@@ -54,7 +54,9 @@ def library(name: str) -> ctypes.CDLL | None:
 def built(source: Path, compiler: str) -> Path:
     """The library for this source, compiler and CPU, compiled into the cache unless it is there."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, version, _cpu_features()]).encode()).hexdigest()
+    headers = [header.read_text() for header in sorted(SOURCES.glob("*.h"))]  # what the sources may include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, *FLAGS, version, _cpu_features()]).encode()
+                         ).hexdigest()
     folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchprefill" / "kernels"
     target = folder / f"{source.stem}-{key[:16]}.so"
     if target.exists():

@@ -1,4 +1,4 @@
-"""RMSNorm (residual add folded in), RoPE and the KV store on the CPU, one pass over each row in C++
+"""RMSNorm (residual add folded in), RoPE, the KV store and a gated MLP's SiLU on the CPU, one pass over each row in C++
 (`kernels/native/csrc/elementwise.cpp`, built and loaded by `build.py`); the source says why. Float32 and bfloat16
 CPU tensors take it (every tensor of a call in one dtype; the store also into an FP8 pool); anything else runs the
 torch ops (`kernels/torch/elementwise.py`), which are also its reference."""
@@ -14,6 +14,7 @@ from batchprefill.kernels.native import build as native
 from batchprefill.kernels.torch import elementwise as torch_elementwise
 
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the entry points of each op, by element type
+SILU = ("silu", "swish")  # the activation names the C++ gated activation takes
 
 
 def _takes(*tensors: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
@@ -32,6 +33,9 @@ class NativeElementwise:
         self._norm = {dtype: _function(library, f"add_rms_norm_{suffix}", norm_arguments)
                       for dtype, suffix in SUFFIXES.items()}
         self._rope = {dtype: _function(library, f"rope_{suffix}", rope_arguments) for dtype, suffix in SUFFIXES.items()}
+        self._silu = {dtype: _function(library, f"silu_and_mul_{suffix}", [pointer, size, size, size, pointer,
+                                                                            ctypes.c_int])
+                      for dtype, suffix in SUFFIXES.items()}
         self._store = _function(library, "store_kv", [pointer, size, pointer, size, pointer, size, size, pointer,
                                                       pointer])
         self._store_fp8 = {dtype: _function(library, f"store_kv_fp8_{suffix}", [pointer, size, pointer, size, pointer,
@@ -68,6 +72,16 @@ class NativeElementwise:
                             width, tokens, out.data_ptr(), torch.get_num_threads())
         return out
 
+
+    def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """As `torch_elementwise.gated_activation`, SiLU (SwiGLU) rows in one pass; other activations in torch."""
+        if activation not in SILU or gate_up.dim() != 2 or gate_up.shape[1] % 2 or not _takes(gate_up):
+            return torch_elementwise.gated_activation(gate_up, activation)
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, width, dtype=gate_up.dtype)
+        self._silu[gate_up.dtype](gate_up.data_ptr(), gate_up.stride(0), rows, width, out.data_ptr(),
+                                  torch.get_num_threads())
+        return out
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

@@ -1,11 +1,27 @@
-"""RMSNorm, RoPE and the KV store as plain torch ops: the reference, and what runs where the C++ ones
-(`kernels/native/elementwise.py`) do not (no compiler, dtypes other than float32, other devices)."""
+"""RMSNorm, RoPE, the KV store and the gated MLP's activation as plain torch ops: the reference, and what runs where
+the C++ ones (`kernels/native/elementwise.py`) do not (no compiler, dtypes other than float32, other devices)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 from batchprefill.kernels.fp8_kv import is_fp8, to_cache
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' names (ACT2FN)
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """A gated MLP's `act(gate) * up` from the fused projection's output `[T, 2I]` (gate first): `[T, I]`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate) * up
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

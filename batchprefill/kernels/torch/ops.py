@@ -120,6 +120,7 @@ class TorchOps:
         self.rms_norm = torch_elementwise.rms_norm if plain else elementwise.rms_norm
         self.rope = torch_elementwise.rope if plain else elementwise.rope
         self.store_kv = torch_elementwise.store_kv if plain else elementwise.store_kv
+        self.gated_activation = torch_elementwise.gated_activation if plain else elementwise.gated_activation
 
     def group_decodes(self, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int, heads_per_kv: int
                       ) -> DecodeGroups | None:

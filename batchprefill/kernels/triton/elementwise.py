@@ -1,6 +1,7 @@
-"""Per-token kernels: KV cache writes, fused residual add + RMSNorm, rotate-half RoPE.
+"""Per-token kernels: KV cache writes, fused residual add + RMSNorm, rotate-half RoPE, a gated MLP's activation.
 
-Each program handles one token (all its heads, or its whole hidden vector), so one launch covers the batch.
+Each program handles one token (all its heads, or its whole hidden vector; a slice of its MLP row), so one launch
+covers the batch.
 """
 
 from __future__ import annotations
@@ -177,3 +178,41 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """A 2-D view (rows, hidden) with unit stride along hidden."""
     return _unit_last_stride(t).reshape(-1, t.shape[-1])
+
+
+# The gated activations by kernel code (transformers' names, kernels/torch/elementwise.ACTIVATIONS).
+GATED_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
+GATED_BLOCK = 1024  # columns of one row per program
+
+
+@triton.jit
+def _gated_activation_kernel(gate_up_ptr, out_ptr, width, stride_in, stride_out, ACTIVATION: tl.constexpr,
+                             BLOCK: tl.constexpr):
+    """act(gate) * up for BLOCK columns of one row, in float32, rounded once; ACTIVATION 0: SiLU, 1: tanh GELU,
+    2: erf GELU."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + width + cols, mask=mask, other=0.0).to(tl.float32)
+    if ACTIVATION == 0:
+        act = gate / (1.0 + tl.exp(-gate))
+    elif ACTIVATION == 1:  # tanh(y) as 1 - 2 / (1 + e^2y): exact at both ends, where e^2y is 0 or inf
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * inner)))
+    else:
+        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """As kernels/torch/elementwise.py's: one launch reads gate and up once and writes the product, where torch's
+    two ops write the activation and read it back (at Llama-3.2-1B's 8,192 a 1,024-row decode step moves 48 MB a
+    layer instead of 80)."""
+    gate_up = gate_up if gate_up.stride(1) == 1 else gate_up.contiguous()
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        _gated_activation_kernel[(rows, triton.cdiv(width, GATED_BLOCK))](
+            gate_up, out, width, gate_up.stride(0), out.stride(0), GATED_ACTIVATIONS[activation], GATED_BLOCK)
+    return out

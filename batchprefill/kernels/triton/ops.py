@@ -118,6 +118,9 @@ class TritonOps:
              ) -> tuple[torch.Tensor, torch.Tensor]:
         return triton_elementwise.rope(query, key, positions, cos_sin)
 
+    def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        return triton_elementwise.gated_activation(gate_up, activation)
+
     def moe(self, hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
             ) -> torch.Tensor:
         return fused_experts(hidden, experts, topk_weights, topk_ids, self.batch_invariant)

@@ -13,25 +13,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from batchprefill.kernels.fp8 import Fp8Weight, concat_weights
 from batchprefill.kernels.interface import Ops
 from batchprefill.kernels.linear import Linear
 from batchprefill.kernels.lora import LoraHook
+from batchprefill.kernels.torch.elementwise import ACTIVATIONS
 from batchprefill.model.config import ModelConfig
 
 # Name -> tensor; a dense layer's linear weight may be an Fp8Weight on a GPU (model/quantization.py).
 Weights = dict[str, torch.Tensor | Fp8Weight]
 MLP = Callable[[torch.Tensor, Ops], torch.Tensor]
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # transformers' names (ACT2FN)
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
 
 @dataclass
 class Layer:
@@ -49,25 +41,23 @@ class Layer:
 
 
 class GatedMLP:
-    """down(act(gate(x)) * up(x)), gate and up in one matrix (one matmul instead of two)."""
+    """down(act(gate(x)) * up(x)), gate and up in one matrix (one matmul instead of two), the activation and product
+    in one backend op (`Ops.gated_activation`)."""
 
     def __init__(self, gate_up: Linear, down: Linear, activation: str):
         if activation not in ACTIVATIONS:
             raise ValueError(f"MLP activation {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         self.gate_up = gate_up
         self.down = down
-        self.activation = ACTIVATIONS[activation]
+        self.activation = activation
 
     def __call__(self, x: torch.Tensor, ops: Ops, lora: LoraHook | None = None) -> torch.Tensor:
-        """`ops` goes unused: plain linear layers need no backend kernel. `lora` adds the step's adapter deltas
-        to gate_up's and down's outputs (model/adapters.py)."""
+        """`lora` adds the step's adapter deltas to gate_up's and down's outputs (model/adapters.py)."""
         if lora is None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(self.activation(gate) * up)
+            return self.down(ops.gated_activation(self.gate_up(x), self.activation))
         gate_up = self.gate_up(x)
         lora("gate_up", gate_up, x)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = self.activation(gate) * up
+        act = ops.gated_activation(gate_up, self.activation)
         out = self.down(act)
         lora("down", out, act)
         return out
