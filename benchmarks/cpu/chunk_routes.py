@@ -18,7 +18,6 @@ import argparse
 import functools
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +29,7 @@ from batchprefill.kernels.torch import ops as torch_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: workloads
 import workloads  # noqa: E402
+from cpu_ops import median_ms  # noqa: E402
 
 BLOCK = 16
 CASES = [[(0, 32)], [(0, 64)], [(0, 128)], [(0, 256)], [(0, 512)], [(0, 1024)], [(0, 2048)], [(64, 384)],
@@ -68,16 +68,6 @@ def fused_routes(ops: torch_ops.TorchOps, meta: AttentionMetadata, k_cache: torc
         return ops.plan(meta, k_cache, heads, dtype)
     finally:
         torch_ops._route_chunks = walk_every_chunk
-
-
-def median_ms(run, repeat: int) -> float:
-    run()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
 
 
 def main() -> None:
