@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from batchprefill import malloc
 from batchprefill.intmath import cdiv
 from batchprefill.kernels.interface import AttentionMetadata
 from batchprefill.kernels.torch import ops as torch_ops
@@ -78,7 +79,8 @@ def main() -> None:
     parser.add_argument("--pools", default=",".join(POOLS), help="comma list of " + ", ".join(POOLS))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    malloc.keep_freed_memory()  # as a job does (build_engine): without it, buffers above glibc's threshold are mapped
+    torch.set_num_threads(args.threads)  # afresh each call, which made some walks 3-5x slower here
     heads, kv_heads, dim = map(int, args.heads.split("/"))
     ops = torch_ops.TorchOps()
     rows = []

@@ -67,10 +67,11 @@ def _route_chunks(meta: AttentionMetadata, block: int, paged: bool, tiles: bool
     Where the kernel's vector walks run (`paged` and not `tiles`), every chunk walks: its rows in runs that read
     the blocks before them once (`paged_decode._chunk_sets`), each row's online softmax in float32. Against the fused
     calls they replace, 2 threads, SmolLM2's heads (9 of 64 over 3), 16-token blocks, AMD EPYC Zen 4
-    (`benchmarks/cpu/chunk_routes.py`): a 512-token chunk from scratch 0.51x in float32, 0.60x in bfloat16, 0.46x over
-    an FP8 pool; 384 tokens after 64 cached 0.46, 0.54 and 0.40x; 2,048 from scratch 0.69, 0.74 and 0.58x; eight
-    64-token prompts 0.81, 1.16 and 0.73x; Llama's and Qwen's heads alike. torch's fused CPU kernel reaches 60-65
-    GFLOP/s there, the walks 110-130. In a decode-heavy job the prefill steps' attention halved (step_ops.py).
+    (`benchmarks/cpu/chunk_routes.py`; float32, bfloat16, and bfloat16 over an FP8 pool): a 512-token prompt 0.52,
+    0.53 and 0.46x the time (torch's fused CPU kernel 55-69 GFLOP/s, the walks 121-132); 384 tokens after 64 cached
+    0.56, 0.52 and 0.42x; 2,048 from scratch 0.76, 0.79 and 0.56x; eight 64-token prompts 0.56, 0.91 and 0.68x;
+    Llama-3-8B's heads alike. In whole jobs the `shared` workload's engine loop took 0.79x the time in bfloat16 over
+    FP8 and decode128's 0.93x (`benchmarks/cpu/revisions.py`).
 
     The AMX tile walks (`tiles`) keep the old routes, unmeasured against them: short chunks after a whole cached
     block walk, other short chunks go to group attention, long ones run alone in torch's fused kernel, which takes
