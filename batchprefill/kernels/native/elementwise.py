@@ -72,7 +72,6 @@ class NativeElementwise:
                             width, tokens, out.data_ptr(), torch.get_num_threads())
         return out
 
-
     def gated_activation(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
         """As `torch_elementwise.gated_activation`, SiLU (SwiGLU) rows in one pass; other activations in torch."""
         if activation not in SILU or gate_up.dim() != 2 or gate_up.shape[1] % 2 or not _takes(gate_up):

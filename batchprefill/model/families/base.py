@@ -25,6 +25,7 @@ from batchprefill.model.config import ModelConfig
 Weights = dict[str, torch.Tensor | Fp8Weight]
 MLP = Callable[[torch.Tensor, Ops], torch.Tensor]
 
+
 @dataclass
 class Layer:
     """One decoder layer's weights, in the skeleton's order: norm, attention, [norm], norm, MLP, [norm]."""
