@@ -43,6 +43,14 @@ MAX_SET_ROWS = 48
 # Query rows of a set of prefill rows (`_chunk_sets`): a step's chunks hold hundreds of rows, so larger sets read each
 # prefix fewer times and still leave work items for every thread.
 MAX_CHUNK_SET_ROWS = 192
+# Query rows of a run: a chunk's rows are cut into runs, each of which reads the blocks before its first row once, its
+# rows then walking the rest alone (runs with the same prefix, best-of-n responses, share sets). Smaller runs leave
+# less to the rows' own walks, which over a bfloat16 pool widen every key to float32. Against runs of 192 rows, 96
+# walked short fresh prompts in 0.60-0.75x the time over a bfloat16 pool (eight of 64 tokens: 0.89 -> 0.67x of the
+# fused calls; one of 128: 0.87 -> 0.60x) and were level or faster elsewhere; 48 were slower on 2,048-token prompts
+# (0.94 against 0.80x at Llama-3-8B's heads; an exploratory sweep of `benchmarks/cpu/chunk_routes.py`'s shapes, AMD
+# EPYC Zen 4, 2 threads).
+CHUNK_RUN_ROWS = 96
 
 
 @dataclass(frozen=True)
@@ -244,21 +252,23 @@ def _decode_sets(meta: AttentionMetadata, decodes: list[int], tables: list[list[
 
 def _chunk_sets(meta: AttentionMetadata, chunks: list[int], tables: list[list[int]], block: int, per_kv: int,
                 tiles: bool) -> list[Set]:
-    """The rows of prefill `chunks` as sets, a chunk's rows MAX_CHUNK_SET_ROWS at a time (a run).
+    """The rows of prefill `chunks` as sets, a chunk's rows CHUNK_RUN_ROWS at a time (a run; the tile walks'
+    MAX_CHUNK_SET_ROWS).
 
     With the vector walks a run's walk covers the blocks wholly before its first row, so its rows read that prefix
     once and each walks at most the run and a block of its own; runs whose prefixes are the same blocks (best-of-n
     responses under one prompt) share sets. The tile walks take their lane limits instead: a run walks its sequence
     from 0 to its last row, each row's lane stopping at its own position, so no row walks alone."""
     most = max(1, MAX_CHUNK_SET_ROWS // per_kv)
+    run = max(1, (CHUNK_RUN_ROWS if not tiles else MAX_CHUNK_SET_ROWS) // per_kv)
     query_start = np.cumsum([0, *meta.query_lens_host]).tolist()
     sets: list[Set] = []
     by_prefix: dict[tuple[int, ...], list[Member]] = {}
     for s in chunks:
         count = meta.query_lens_host[s]
         first_position = meta.seq_lens_host[s] - count
-        for start in range(0, count, most):
-            lengths = [first_position + j + 1 for j in range(start, min(count, start + most))]
+        for start in range(0, count, run):
+            lengths = [first_position + j + 1 for j in range(start, min(count, start + run))]
             rows = range(query_start[s] + start, query_start[s] + start + len(lengths))
             if tiles:
                 prefix = tuple(tables[s][: cdiv(lengths[-1], block)])
