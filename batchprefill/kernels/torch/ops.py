@@ -67,11 +67,11 @@ def _route_chunks(meta: AttentionMetadata, block: int, paged: bool, tiles: bool
     Where the kernel's vector walks run (`paged` and not `tiles`), every chunk walks: its rows in runs that read
     the blocks before them once (`paged_decode._chunk_sets`), each row's online softmax in float32. Against the fused
     calls they replace, 2 threads, 16-token blocks, AMD EPYC Zen 4 (`benchmarks/cpu/chunk_routes.py`), SmolLM2's heads
-    (9 of 64 over 3) in float32, bfloat16, and bfloat16 over an FP8 pool: a 512-token prompt 0.52, 0.62 and 0.45x
-    the time; 384 tokens after 64 cached 0.53, 0.66 and 0.41x; 2,048 from scratch 0.75, 0.91 and 0.53x; Llama-3-8B's
-    heads (32 of 128 over 8) 0.31-0.82x in float32 and 0.23-0.59x over FP8 (at 512 tokens torch's kernel 70-74
-    GFLOP/s, the walks 136-160). One case is not faster: short prompts from scratch over a bfloat16 pool (eight of 64
-    tokens: 0.91 and 1.16x in two runs), whose walks widen every key to float32 where the fused call takes bfloat16.
+    (9 of 64 over 3) in float32, bfloat16, and bfloat16 over an FP8 pool: a 512-token prompt 0.62, 0.53 and 0.37x
+    the time; 384 tokens after 64 cached 0.48, 0.56 and 0.38x; 2,048 from scratch 0.75, 0.84 and 0.54x; Llama-3-8B's
+    heads (32 of 128 over 8; runs of 192 rows) 0.31-0.82x in float32 and 0.23-0.59x over FP8 (at 512 tokens
+    torch's kernel 70-74 GFLOP/s, the walks 136-160). Short prompts from scratch over a bfloat16 pool gain least
+    (eight of 64 tokens: 0.94x), as that pool's walks widen every key to float32 where the fused call takes bfloat16.
     In whole jobs the `shared` workload's engine loop took 0.79x the time in bfloat16 over FP8 and 0.90x in float32,
     decode128's 0.93x (`benchmarks/cpu/revisions.py`).
 
