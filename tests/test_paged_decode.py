@@ -240,8 +240,9 @@ def test_in_tile_walks_each_response_walks_from_0_with_each_lane_stopping_at_its
 @pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_every_prefill_chunk_walks_the_pool_and_equals_the_fused_calls(kernel, pool):
     # a 300-token prompt from scratch (90,000 query-key pairs: too many for group attention's dense mask, so it ran
-    # alone in torch's fused kernel), a 40-token one (group attention), 200 tokens after 40 cached (alone), and a
-    # decode: where the vector walks run, all of them are the kernel's rows and no fused call is left
+    # alone in torch's fused kernel), a 40-token one (group attention), 200 tokens after 40 cached (48,000 pairs,
+    # walked before too), and a decode: where the vector walks run, all of them are the kernel's rows, in runs of
+    # 96 query rows (32 tokens at 3 query heads a KV head), and no fused call is left
     query_dtype = torch.float32 if pool == torch.float32 else torch.bfloat16
     tables, q_lens, seq_lens = [list(range(0, 19)), [19, 20, 21], list(range(22, 37)), [37, 38]], [300, 40, 200, 1], \
         [300, 40, 240, 20]
@@ -255,6 +256,10 @@ def test_every_prefill_chunk_walks_the_pool_and_equals_the_fused_calls(kernel, p
     else:
         assert planned.plan.batches == [] and planned.plan.alone == []
         assert planned.plan.decodes.rows.shape[0] == sum(q_lens)  # every query row of the step
+        # runs of 32 tokens: nine and a 12 of the 300, one and an 8 of the 40, six and an 8 of the 200; the two
+        # fresh prompts' first runs read no prefix, so they share one set of 64 (MAX_CHUNK_SET_ROWS // 3)
+        assert paged_decode.CHUNK_RUN_ROWS // 3 == 32
+        assert sorted(planned.plan.decodes.sets[:, 1].tolist()) == [1, 8, 8, 12] + [32] * 14 + [64]
     got = ops.attention(query, k_cache, v_cache, planned, 0.125).float()
     want = TorchOps(native=False).attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.125)
     # float32: the same sums in another order; bfloat16 outputs: their rounding (values below 5: 2^-6 apart there)
