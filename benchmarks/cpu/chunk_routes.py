@@ -7,7 +7,7 @@
 Each case is one step's prefill chunks (cached tokens, queries) over a pool of scattered 16-token blocks, through
 `TorchOps.attention` planned two ways, timed in turn (wall time, median of `--repeat`): the kernel's walks (every
 chunk's rows in one call, `paged_decode._chunk_sets`), and the routes the torch path takes without them (group
-attention's padded calls for short chunks, torch's fused kernel for long ones; `torch.ops._route_chunks`). The
+attention's padded calls for short chunks, torch's fused kernel for long ones: `TorchOps(native=False)`). The
 largest difference between the two outputs is printed beside them. GFLOP/s count the causal products, 4 x queries x
 (cached + (queries + 1) / 2) x head size x query heads.
 """
@@ -60,17 +60,6 @@ def step(chunks: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, que
     return torch.randn(sum(q_lens), heads, dim, generator=generator).to(queries), k_cache, v_cache, meta
 
 
-def fused_routes(ops: torch_ops.TorchOps, meta: AttentionMetadata, k_cache: torch.Tensor, heads: int,
-                 dtype: torch.dtype) -> AttentionMetadata:
-    """The plan of the routes without the walks: `_route_chunks` as it routes where the kernel is not built."""
-    walk_every_chunk = torch_ops._route_chunks
-    torch_ops._route_chunks = lambda meta, block, paged, tiles: walk_every_chunk(meta, block, False, tiles)
-    try:
-        return ops.plan(meta, k_cache, heads, dtype)
-    finally:
-        torch_ops._route_chunks = walk_every_chunk
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", default="9/3/64", help="query heads / KV heads / head size")
@@ -83,6 +72,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # afresh each call, which made some walks 3-5x slower here
     heads, kv_heads, dim = map(int, args.heads.split("/"))
     ops = torch_ops.TorchOps()
+    fused_ops = torch_ops.TorchOps(native=False)  # the routes without the kernel: group attention, or alone
     rows = []
     print(f"{workloads.cpu_model()}, {args.threads} threads, heads {args.heads}")
     print("| pool | chunks (cached, queries) | fused routes ms | walked ms | walked / fused | GFLOP/s fused, walked "
@@ -92,15 +82,15 @@ def main() -> None:
         for chunks in CASES:
             query, k_cache, v_cache, meta = step(chunks, heads, kv_heads, dim, queries, pool)
             walked = ops.plan(meta, k_cache, heads, queries)
-            fused = fused_routes(ops, meta, k_cache, heads, queries)
+            fused = fused_ops.plan(meta, k_cache, heads, queries)
             if walked.plan.alone or walked.plan.batches:
                 raise SystemExit("the kernel's walks do not take these chunks here (no kernel, or the AMX tile walks)")
             outputs = {}
             times = {}
-            for label, plan in (("fused", fused), ("walked", walked)):
-                outputs[label] = ops.attention(query, k_cache, v_cache, plan, dim**-0.5).float()
-                times[label] = median_ms(functools.partial(ops.attention, query, k_cache, v_cache, plan, dim**-0.5),
-                                         args.repeat)
+            for label, backend, plan in (("fused", fused_ops, fused), ("walked", ops, walked)):
+                call = functools.partial(backend.attention, query, k_cache, v_cache, plan, dim**-0.5)
+                outputs[label] = call().float()
+                times[label] = median_ms(call, args.repeat)
             flops = sum(4 * count * (cached + (count + 1) / 2) * dim * heads for cached, count in chunks)
             rates = [flops / times[label] / 1e6 for label in ("fused", "walked")]
             difference = float((outputs["fused"] - outputs["walked"]).abs().max())

@@ -86,8 +86,9 @@ def _route_chunks(meta: AttentionMetadata, block: int, paged: bool, tiles: bool
     short = [s for s in chunks if lens[s] * seq_lens[s] <= GROUPED_MAX_PAIRS]
     alone = [s for s in chunks if lens[s] * seq_lens[s] > GROUPED_MAX_PAIRS]
     # short chunks after a whole cached block: the kernel's walks (PagedDecode.plan); the rest, group attention
-    walked = [s for s in short if paged and seq_lens[s] - lens[s] >= block]
-    return walked, [s for s in short if s not in walked], alone
+    after_cached = [paged and seq_lens[s] - lens[s] >= block for s in short]
+    return ([s for s, walks in zip(short, after_cached) if walks],
+            [s for s, walks in zip(short, after_cached) if not walks], alone)
 
 
 @dataclass(frozen=True)
