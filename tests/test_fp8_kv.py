@@ -1,6 +1,8 @@
 """FP8 KV pools (engine.kv_cache_dtype=fp8, fp8_e4m3, fp8_e5m2): every KV store rounds as the torch one does, and
 every attention path over an FP8 pool gives what float32 attention gives over the same values widened: the FP8
-rounding is the data, the kernels add nothing beyond float32 (or bfloat16) arithmetic."""
+rounding is the data, the kernels add nothing beyond float32 (or bfloat16) arithmetic. The C++ pair-product walks
+for a bfloat16 model take each softmax weight as one bfloat16, as GPU flash attention does: within 2^-8 of the
+weighted mean of |value| (a bfloat16's rounding), which the bfloat16 output then rounds to anyway."""
 
 from __future__ import annotations
 
@@ -243,6 +245,18 @@ def test_the_cpp_walks_widen_every_fp8_code_exactly(dtype):
 PAIRED_GROUPS = [(2, [1, 15]), (1, [32, 17, 7]), (3, [1, 16, 2, 5, 9, 40]), (0, [5]), (0, [32]), (0, [1]), (0, [77])]
 
 
+def assert_within_bfloat16_weights(got: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                                   v_cache: torch.Tensor, meta, scale: float) -> None:
+    """Asserts `got` within what rounding each softmax weight to a bfloat16 can move float32 attention over the widened
+    pool: |sum w'v - sum wv| / sum w <= 2^-8 sum w|v| / sum w (a bfloat16 keeps 8 significant bits, so each weight
+    moves by at most 2^-8 of itself), plus 1e-5 for float32's sums."""
+    reference = TorchOps(native=False)
+    want = reference.attention(query, k_cache.float(), v_cache.float(), meta, scale)
+    mean_magnitude = reference.attention(query, k_cache.float(), v_cache.float().abs(), meta, scale)
+    ratio = ((got - want).abs() / (2**-8 * mean_magnitude + 1e-5)).max()
+    assert ratio <= 1, f"{ratio:.2f} times the bound"
+
+
 def bfloat16_exact_batch(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
                          groups: list[tuple[int, list[int]]] = PAIRED_GROUPS):
     tables, lens = decodes(groups, 16)
@@ -254,16 +268,14 @@ def bfloat16_exact_batch(dtype: torch.dtype, heads: int, kv_heads: int, dim: int
 
 @pytest.mark.parametrize("dtype", FP8, ids=IDS)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 2, 128), (4, 1, 256)])
-def test_bfloat16_queries_over_an_fp8_pool_take_pair_products_within_1e_4_of_float32_attention(
+def test_bfloat16_queries_over_an_fp8_pool_take_pair_products_within_a_bfloat16_weights_rounding(
         dtype, heads, kv_heads, dim):
-    # products of bfloat16 queries and FP8 keys are exact, the weights carried as two bfloat16 (2^-17 relative): the
-    # outputs (up to about 15 here) stay within 3e-5 of float32 attention, where one bfloat16 weight each moved them
-    # by 1e-2
+    # products of bfloat16 queries and FP8 keys are exact and the scores float32; only the weights are rounded, each to
+    # one bfloat16: outputs up to about 15 here move by up to about 1.6e-2, 0.57-0.91 of the bound in these batches
     query, k_cache, v_cache, meta = bfloat16_exact_batch(dtype, heads, kv_heads, dim)
     got = TorchOps().attention(query, k_cache, v_cache, meta, 0.125)
-    want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.125)
-    assert want.abs().max() > 10
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.125).abs().max() > 10
+    assert_within_bfloat16_weights(got, query, k_cache, v_cache, meta, 0.125)
 
 
 # sets of 6, 11 and 17 decodes over 2, 3 and 1 shared blocks: at 3 query heads per KV head 18, 33 and 51 rows (one,
@@ -273,24 +285,23 @@ MANY_ROW_GROUPS = [(2, [1, 15, 16, 2, 9, 40]), (3, [1 + 3 * i for i in range(11)
 
 @pytest.mark.parametrize("dtype", FP8, ids=IDS)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (6, 2, 128), (4, 1, 256)])
-def test_the_row_vectorized_shared_walk_over_an_fp8_pool_pairs_its_values_within_1e_4_of_float32_attention(
+def test_the_row_vectorized_shared_walk_over_an_fp8_pool_pairs_its_values_within_a_bfloat16_weights_rounding(
         dtype, heads, kv_heads, dim):
-    # the shared walk's weights times values as bfloat16 pairs, each weight split into a high and a low bfloat16:
-    # outputs up to about 15 stay within 1e-4 of float32 attention, where one bfloat16 weight each moved them by 1e-2
+    # the shared walk's weights times values as bfloat16 pairs, each weight one bfloat16
     query, k_cache, v_cache, meta = bfloat16_exact_batch(dtype, heads, kv_heads, dim, MANY_ROW_GROUPS)
     got = TorchOps().attention(query, k_cache, v_cache, meta, 0.125)
-    want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.125)
-    assert want.abs().max() > 10
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.125).abs().max() > 10
+    assert_within_bfloat16_weights(got, query, k_cache, v_cache, meta, 0.125)
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=IDS)
 @pytest.mark.parametrize("switched_off", [["-mno-avx512vbmi", "-mno-avx512bf16"], ["-mno-avx512f"]],
                          ids=["avx512-without-vbmi", "avx2"])
-def test_builds_without_the_byte_tables_or_pair_products_give_the_same_attention_over_an_fp8_pool(
+def test_builds_without_the_byte_tables_or_pair_products_give_float32_attention_over_an_fp8_pool(
         tmp_path, dtype, switched_off):
     # built here as for an AVX-512 CPU before Ice Lake (F16C widening, float32 walks) and for an AVX2 one, over
-    # every finite FP8 code in K and V
+    # every finite FP8 code in K and V: float32 attention within 1e-4; this machine's build with its pair products
+    # (bfloat16 weights) within their bound
     library = tmp_path / "build.so"
     subprocess.run([os.environ.get("CXX") or "c++", *native.FLAGS, *switched_off, "-o", str(library),
                     str(native.SOURCES / "paged_decode.cpp")], check=True, capture_output=True)
@@ -303,5 +314,6 @@ def test_builds_without_the_byte_tables_or_pair_products_give_the_same_attention
     built = TorchOps()
     built._paged = paged_decode.PagedDecode(ctypes.CDLL(str(library)))
     want = TorchOps(native=False).attention(query, k_cache.float(), v_cache.float(), meta, 0.01)
-    for ops in (built, TorchOps()):
-        torch.testing.assert_close(ops.attention(query, k_cache, v_cache, meta, 0.01), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(built.attention(query, k_cache, v_cache, meta, 0.01), want, atol=1e-4, rtol=1e-4)
+    assert_within_bfloat16_weights(TorchOps().attention(query, k_cache, v_cache, meta, 0.01), query, k_cache, v_cache,
+                                   meta, 0.01)

@@ -57,7 +57,7 @@ def walks(threads: int, baseline: str | None) -> None:
     sys.path.insert(0, str(REPO / "benchmarks" / "cpu"))
     sys.path.insert(0, str(REPO / "benchmarks"))
     from cpu_ops import HEADS, decode_batch
-    from walk_builds import SOURCE, built_ops
+    from walk_builds import built_ops, revision_sources
     from workloads import cpu_model
 
     from batchprefill.kernels.fp8_kv import to_cache
@@ -70,9 +70,7 @@ def walks(threads: int, baseline: str | None) -> None:
     folder = tempfile.TemporaryDirectory()
     builds = {"this checkout": TorchOps()}
     if baseline:  # the baseline revision's kernel built here with the same flags, timed in turn with this one's
-        source = Path(folder.name) / "baseline.cpp"
-        source.write_bytes(subprocess.run(["git", "show", f"{baseline}:{SOURCE}"], check=True, capture_output=True,
-                                          cwd=REPO).stdout)
+        source = revision_sources(baseline, Path(folder.name), REPO) / "paged_decode.cpp"
         builds = {baseline: built_ops(source, Path(folder.name) / "baseline.so", []),
                   "this checkout": built_ops(native.SOURCES / "paged_decode.cpp", Path(folder.name) / "this.so", [])}
     dtypes = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -110,7 +108,9 @@ def stores(baseline: str | None) -> None:
 
     import torch
 
+    sys.path.insert(0, str(REPO / "benchmarks" / "cpu"))
     sys.path.insert(0, str(REPO / "benchmarks"))
+    from walk_builds import revision_sources
     from workloads import cpu_model
 
     from batchprefill.kernels.native import build as native
@@ -120,10 +120,7 @@ def stores(baseline: str | None) -> None:
     folder = Path(tempfile.mkdtemp())
     sources = {"this checkout": native.SOURCES / "elementwise.cpp"}
     if baseline:
-        sources[baseline] = folder / "baseline.cpp"
-        sources[baseline].write_bytes(subprocess.run(
-            ["git", "show", f"{baseline}:batchprefill/kernels/native/csrc/elementwise.cpp"], check=True,
-            capture_output=True, cwd=REPO).stdout)
+        sources[baseline] = revision_sources(baseline, folder, REPO) / "elementwise.cpp"
     builds = {}
     for label, source in sources.items():
         library = folder / f"{len(builds)}.so"

@@ -36,7 +36,15 @@ from batchprefill.kernels.native import build as native  # noqa: E402
 from batchprefill.kernels.native import paged_decode  # noqa: E402
 from batchprefill.kernels.torch.ops import TorchOps  # noqa: E402
 
-SOURCE = "batchprefill/kernels/native/csrc/paged_decode.cpp"
+SOURCES = "batchprefill/kernels/native/csrc"
+
+
+def revision_sources(revision: str, folder: Path, repo: Path | None = None) -> Path:
+    """`revision`'s native sources (the .cpp files and the headers they include) unpacked under `folder`; their
+    folder. The whole folder, not one file: paged_decode.cpp includes exp_nonpositive.h since session 47."""
+    archive = subprocess.run(["git", "archive", revision, SOURCES], check=True, capture_output=True, cwd=repo).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder / SOURCES
 
 
 def built_ops(source: Path, library: Path, switched_off: list[str]) -> TorchOps:
@@ -58,9 +66,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as folder:
-        baseline_source = Path(folder) / "baseline.cpp"
-        baseline_source.write_bytes(subprocess.run(["git", "show", f"{args.baseline}:{SOURCE}"], check=True,
-                                                   capture_output=True).stdout)
+        baseline_source = revision_sources(args.baseline, Path(folder)) / "paged_decode.cpp"
         builds = {args.baseline: built_ops(baseline_source, Path(folder) / "baseline.so", args.switch_off),
                   "this checkout": built_ops(native.SOURCES / "paged_decode.cpp", Path(folder) / "this.so",
                                              args.switch_off)}

@@ -270,11 +270,10 @@ struct Scratch {
   std::vector<float> keys, values, scores, rescales, rows, transposed;
   std::vector<uint32_t> pairs;  // a set's queries as bfloat16 pairs, [heads][dim / 2][padded rows] (walk_many)
   std::vector<uint16_t> narrow_keys;  // an FP8 block's keys as bfloat16, for the pair products
-  // walk_few_paired: a block's values as bfloat16 pairs of tokens, the weights' high and low bfloat16 halves, the
-  // query rows as bfloat16
+  // walk_few_paired: a block's values as bfloat16 pairs of tokens, the weights as bfloat16, the query rows as bfloat16
   std::vector<uint16_t> value_pairs, weight_pairs, query_pairs;
-  // walk_many over an FP8 pool: a block's weights' high and low bfloat16 halves as pairs of tokens [token pair][padded]
-  std::vector<uint32_t> many_high, many_low;
+  // walk_many over an FP8 pool: a block's weights as bfloat16 pairs of tokens [token pair][padded]
+  std::vector<uint32_t> many_weights;
 };
 
 inline float dot_plain(const float* a, const float* b, int64_t dim) {
@@ -511,39 +510,36 @@ inline void score_head(const float* transposed, const uint32_t* paired, int64_t 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 // Defined with walk_few_paired below.
 template <int Quads, int Rows = 1>
-inline void accumulate_paired(const uint32_t* high, const uint32_t* low, const uint16_t* pairs, int64_t stride,
-                              int64_t count, const float* rescales, float* acc, int64_t weight_stride);
+inline void accumulate_paired(const uint32_t* weights, const uint16_t* pairs, int64_t stride, int64_t count,
+                              const float* rescales, float* acc, int64_t weight_stride);
 template <typename Fp8>
 inline void pair_values(const Fp8* values, int64_t stride, int64_t count, uint16_t* pairs);
 
 // walk_many's values over an FP8 pool as walk_few_paired takes them: the block's values as bfloat16 pairs of tokens
-// (`pairs`, this head's), each row's weights split into a high and a low bfloat16 (16 rows per conversion), so one
-// VDPBF16PS takes 32 products where accumulate_many's FMA takes 16 of values widened to float32. The weights carry
-// 16 bits of mantissa (outputs within 1e-4 of float32 attention; one bfloat16 weight moved them by 1e-2,
-// tests/test_fp8_kv.py). 9 sets of 9 decodes over 448 shared tokens, one thread, 30 layers, CPU time, AMD EPYC
-// Zen 4: e4m3 47.3 -> 41.7 ms (bfloat16 pool 60.9 and 59.8: 0.78 -> 0.70x; benchmarks/cpu/fp8_kv.py --walks
-// --baseline main).
+// (`pairs`, this head's), each row's weights as bfloat16 (16 rows per conversion), so one VDPBF16PS takes 32 products
+// where accumulate_many's FMA takes 16 of values widened to float32 (see walk_few_paired on the weights' rounding). 9
+// sets of 9 decodes over 448 shared tokens, one thread, 30 layers, CPU time, AMD EPYC Zen 4: e4m3 47.3 -> 41.7 ms
+// with each weight as two bfloat16 (bfloat16 pool 60.9 and 59.8: 0.78 -> 0.70x; benchmarks/cpu/fp8_kv.py --walks
+// --baseline main), 35.5 -> 30.1 with one (bfloat16 pool 50.4: 0.60x).
 template <int Quads>
-inline void accumulate_many_paired(const uint32_t* high, const uint32_t* low, int64_t padded, const uint16_t* pairs,
-                                   int64_t count, int64_t stride, const float* rescales, int64_t n, float* acc) {
+inline void accumulate_many_paired(const uint32_t* weights, int64_t padded, const uint16_t* pairs, int64_t count,
+                                   int64_t stride, const float* rescales, int64_t n, float* acc) {
   int64_t r = 0;
   for (; r + 2 <= n; r += 2)
-    accumulate_paired<Quads, 2>(high + r, low + r, pairs, stride, count, rescales + r, acc + r * 64 * Quads, padded);
-  for (; r < n; ++r)
-    accumulate_paired<Quads>(high + r, low + r, pairs, stride, count, rescales + r, acc + r * 64 * Quads, padded);
+    accumulate_paired<Quads, 2>(weights + r, pairs, stride, count, rescales + r, acc + r * 64 * Quads, padded);
+  for (; r < n; ++r) accumulate_paired<Quads>(weights + r, pairs, stride, count, rescales + r, acc + r * 64 * Quads, padded);
 }
 
 // walk_many's softmax for accumulate_many_paired, 16 rows (`scores` at their tile): exp(score - running) for each token,
-// written straight as the high and low bfloat16 halves of pairs of tokens (`high`, `low` [token pair][padded] at the
-// tile) rather than stored as float32 and read again to be split; returns the weights' sums. Two tokens' weights
-// take one two-source conversion (VCVTNE2PS2BF16) and one word interleave each for the high and the low halves.
-inline __m512 exponentiate_pairs(const float* scores, int64_t padded, int64_t count, __m512 running, uint32_t* high,
-                                 uint32_t* low) {
+// written straight as bfloat16 pairs of tokens (`weights` [token pair][padded] at the tile) rather than stored as
+// float32 and read again to be rounded; returns the float32 weights' sums. Two tokens' weights take one two-source
+// conversion (VCVTNE2PS2BF16) and one word interleave.
+inline __m512 exponentiate_pairs(const float* scores, int64_t padded, int64_t count, __m512 running,
+                                 uint32_t* weights) {
   // word 2i from the first source's lane i, word 2i + 1 from the second's: the tokens of a pair adjacent
   alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(order);
-  const __m512i upper_word = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   __m512 added = _mm512_setzero_ps();
   for (int64_t p = 0; p < (count + 1) / 2; ++p) {
     const __m512 first = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + 2 * p * padded), running));
@@ -551,12 +547,8 @@ inline __m512 exponentiate_pairs(const float* scores, int64_t padded, int64_t co
                               ? exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + (2 * p + 1) * padded), running))
                               : _mm512_setzero_ps();
     added = _mm512_add_ps(_mm512_add_ps(added, first), second);
-    const __m512i upper = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(second, first));
-    const __m512 first_rest = _mm512_sub_ps(first, _mm512_castsi512_ps(_mm512_slli_epi32(upper, 16)));
-    const __m512 second_rest = _mm512_sub_ps(second, _mm512_castsi512_ps(_mm512_and_si512(upper, upper_word)));
-    _mm512_storeu_si512(high + p * padded, upper);
-    _mm512_storeu_si512(low + p * padded,
-                        _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(second_rest, first_rest)));
+    _mm512_storeu_si512(weights + p * padded,
+                        _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(second, first)));
   }
   return added;
 }
@@ -632,8 +624,7 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
         __m512 added = _mm512_setzero_ps();
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
         if (values_paired)
-          added = exponentiate_pairs(scores + tile, padded, count, running, s.many_high.data() + tile,
-                                     s.many_low.data() + tile);
+          added = exponentiate_pairs(scores + tile, padded, count, running, s.many_weights.data() + tile);
         else
 #endif
           for (int64_t t = 0; t < count; ++t) {
@@ -650,14 +641,13 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
       if (values_paired) {
         const uint16_t* pairs = s.value_pairs.data() + 2 * h * dim;
         float* head_acc = acc + h * n * dim;
-        const uint32_t* high = s.many_high.data();
-        const uint32_t* low = s.many_low.data();
+        const uint32_t* weights = s.many_weights.data();
         if (dim == 64)
-          accumulate_many_paired<1>(high, low, padded, pairs, count, stride, rescales, n, head_acc);
+          accumulate_many_paired<1>(weights, padded, pairs, count, stride, rescales, n, head_acc);
         else if (dim == 128)
-          accumulate_many_paired<2>(high, low, padded, pairs, count, stride, rescales, n, head_acc);
+          accumulate_many_paired<2>(weights, padded, pairs, count, stride, rescales, n, head_acc);
         else
-          accumulate_many_paired<4>(high, low, padded, pairs, count, stride, rescales, n, head_acc);
+          accumulate_many_paired<4>(weights, padded, pairs, count, stride, rescales, n, head_acc);
         continue;
       }
 #endif
@@ -915,13 +905,17 @@ constexpr int64_t kFewRows = 4;  // walk_few_paired's rows side by side
 // adjacent tokens' bfloat16 values, so one instruction takes 32 products where walk_few spends an FMA on 16 and
 // first widens every code to float32 by F16C. Products of two bfloat16 are exact in float32 and summed in float32,
 // as score_tiles_paired's. Scores: each row against 16 tokens in 16 registers, reduced together by a transposing tree
-// (45 instructions for 16 dot products, where dot_rows spends about 20 on 4); values: each weight split into two
-// bfloat16, high and low (w - high), so the weights carry 16 bits of mantissa (relative error about 2^-17, where
-// one bfloat16 weight, as the tile walks and GPU flash attention take, would carry 2^-9). Head sizes 64, 128 and
-// 256 (Quads = dim / 64); not under batch invariance (walk_few's order is that mode's contract). One thread, 30
-// layers, AMD EPYC Zen 4, CPU time: 80 lone decodes of 512 tokens over e4m3 114.8 -> 79.5 ms (bfloat16 pool 130.0),
-// 81 of 128 tokens 32.2 -> 24.4 (benchmarks/cpu/fp8_kv.py --walks --baseline 0b6ae7f). Tried and dropped: two rows
-// at a time sharing each value load (1.07x the time), one bfloat16 weight (0.88x, but outputs 1e-2 off).
+// (45 instructions for 16 dot products, where dot_rows spends about 20 on 4); values: each softmax weight rounded to
+// one bfloat16, as the AMX tile walks and GPU flash attention take it, its sum kept in float32. A weight then moves by
+// at most 2^-8 of itself, so an output by at most 2^-8 of the weighted mean of |value| (tests/test_fp8_kv.py: 0.57-0.91
+// of that bound, 1e-2 on outputs up to 15), less than the rounding of the bfloat16 output that follows, and a
+// fraction of FP8's own 2^-4 (e4m3) on each value. Each weight as two bfloat16 (16 bits of mantissa) was within 1e-4
+// of float32 and cost a second product per value: the shared walks took 1.18x this time (9 sets of 9 decodes over
+// 448 shared tokens, e4m3, 30.1 against 35.5 ms; the lone walks below are bound by memory and did not move). Head
+// sizes 64, 128 and 256 (Quads = dim / 64); not under batch invariance (walk_few's order is that mode's contract).
+// One thread, 30 layers, AMD EPYC Zen 4, CPU time: 80 lone decodes of 512 tokens over e4m3 114.8 -> 79.5 ms
+// (bfloat16 pool 130.0), 81 of 128 tokens 32.2 -> 24.4 (benchmarks/cpu/fp8_kv.py --walks --baseline 0b6ae7f).
+// Tried and dropped: two rows at a time sharing each value load (1.07x the time).
 constexpr bool kPairedFew = true;
 
 // 16 vectors' lane sums, lane i the sum of p[i]: sixteen become eight by adding 256-bit halves, then four by 128-bit
@@ -959,39 +953,32 @@ inline __m512 score_sixteen_paired(const __m512bh* query, const uint16_t* keys, 
 
 // acc[r][0:dim] = acc[r] * rescales[r] + sum over t of weight r,t * value t, for `Rows` rows side by side (weights 1
 // apart, outputs dim apart) so that each value vector is loaded once for all of them; the weights as bfloat16 pairs of
-// adjacent tokens (`high`, `low` [count rounded up to even], `weight_stride` apart), the values as pairs
+// adjacent tokens (`weights` [count rounded up to even], `weight_stride` apart), the values as pairs
 // [token pair][stride][2] (`pairs` at this head). Two rows at a time in walk_many (with exponentiate_pairs, 9 sets
 // of 9 decodes over 448 shared tokens, e4m3, one thread, 30 layers: 30.7 -> 29.3 ms, the same bits; each alone took
 // about half of that).
 template <int Quads, int Rows>
-inline void accumulate_paired(const uint32_t* high, const uint32_t* low, const uint16_t* pairs, int64_t stride,
-                              int64_t count, const float* rescales, float* acc, int64_t weight_stride) {
+inline void accumulate_paired(const uint32_t* weights, const uint16_t* pairs, int64_t stride, int64_t count,
+                              const float* rescales, float* acc, int64_t weight_stride) {
   constexpr int64_t dim = 64 * Quads;
   for (int q = 0; q < Quads; ++q) {
-    __m512 upper[Rows][4], lower[Rows][4];
+    __m512 sum[Rows][4];
     for (int r = 0; r < Rows; ++r)
-      for (int c = 0; c < 4; ++c) {
-        upper[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + 64 * q + 16 * c), _mm512_set1_ps(rescales[r]));
-        lower[r][c] = _mm512_setzero_ps();
-      }
+      for (int c = 0; c < 4; ++c)
+        sum[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + 64 * q + 16 * c), _mm512_set1_ps(rescales[r]));
     for (int64_t p = 0; p < (count + 1) / 2; ++p) {
-      __m512bh h[Rows], l[Rows];
-      for (int r = 0; r < Rows; ++r) {
-        h[r] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(high[p * weight_stride + r]));
-        l[r] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(low[p * weight_stride + r]));
-      }
+      __m512bh weight[Rows];
+      for (int r = 0; r < Rows; ++r)
+        weight[r] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(weights[p * weight_stride + r]));
       const uint16_t* values = pairs + 2 * (p * stride + 64 * q);
       for (int c = 0; c < 4; ++c) {
         const __m512bh value = (__m512bh)_mm512_loadu_si512(values + 32 * c);
-        for (int r = 0; r < Rows; ++r) {
-          upper[r][c] = _mm512_dpbf16_ps(upper[r][c], value, h[r]);
-          lower[r][c] = _mm512_dpbf16_ps(lower[r][c], value, l[r]);
-        }
+        for (int r = 0; r < Rows; ++r) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], value, weight[r]);
       }
     }
     for (int r = 0; r < Rows; ++r)
       for (int c = 0; c < 4; ++c)
-        _mm512_storeu_ps(acc + r * dim + 64 * q + 16 * c, _mm512_add_ps(upper[r][c], lower[r][c]));
+        _mm512_storeu_ps(acc + r * dim + 64 * q + 16 * c, sum[r][c]);
   }
 }
 
@@ -1026,7 +1013,7 @@ void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, co
   const int64_t block = pool.block, stride = pool.token_stride, heads = pool.heads;
   uint16_t* keys = s.narrow_keys.data();
   uint16_t* pairs = s.value_pairs.data();
-  uint16_t* weights = s.weight_pairs.data();  // [kFewRows][high, low][16]
+  uint16_t* weights = s.weight_pairs.data();  // [kFewRows][16]
   for (int64_t b = 0; b * block < length; ++b) {
     const int64_t count = std::min(block, length - b * block);
     const int64_t offset = blocks[b] * pool.block_stride;
@@ -1064,15 +1051,10 @@ void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, co
             const __m512 weight =
                 _mm512_maskz_mov_ps(lanes, exp_nonpositive(_mm512_sub_ps(score[r], _mm512_set1_ps(running))));
             sums[state] = sums[state] * rescale[r] + _mm512_reduce_add_ps(weight);
-            const __m256bh upper = _mm512_cvtneps_pbh(weight);  // each weight as bfloat16 high + low
-            const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)upper), 16));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + 32 * r), (__m256i)upper);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + 32 * r + 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(weight, widened)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + 16 * r), (__m256i)_mm512_cvtneps_pbh(weight));
           }
           for (int64_t r = 0; r < rows; ++r)
-            accumulate_paired<Quads>(reinterpret_cast<const uint32_t*>(weights + 32 * r),
-                                     reinterpret_cast<const uint32_t*>(weights + 32 * r + 16),
+            accumulate_paired<Quads>(reinterpret_cast<const uint32_t*>(weights + 16 * r),
                                      pairs + 2 * (t * stride + h * dim), stride, tokens, rescale + r,
                                      acc + (h * n + first + r) * dim, 1);
         }
@@ -1221,10 +1203,9 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
     if (kPairs && (std::is_same_v<Cache, uint16_t> || kFp8<Cache>)) s.pairs.resize(kv_heads * (dim / 2) * padded);
     if (kPairs && kFp8<Cache>) s.narrow_keys.resize(block * pool.token_stride);
     if (kPairedFew && kFp8<Cache>) {
-      s.many_high.resize((block + 1) / 2 * padded);
-      s.many_low.resize((block + 1) / 2 * padded);
+      s.many_weights.resize((block + 1) / 2 * padded);
       s.value_pairs.resize((block + 1) / 2 * 2 * pool.token_stride);
-      s.weight_pairs.resize(32 * kFewRows);
+      s.weight_pairs.resize(16 * kFewRows);
       s.query_pairs.resize(kv_heads * padded * dim);
     }
     std::vector<float> state(kv_heads * padded * (2 + dim));
