@@ -28,7 +28,7 @@ from batchprefill.model.families import read_config
 from batchprefill.model.loader import resolve_kv_dtype
 from tests.synthetic import random_paged_batch
 from tests.test_api import PROMPTS
-from tests.test_paged_decode import both_paths, decodes
+from tests.test_paged_decode import assert_within_bfloat16_weights, both_paths, decodes
 from tests.test_prefix_groups import flat_batch
 
 E4M3 = torch.float8_e4m3fn
@@ -243,18 +243,6 @@ def test_the_cpp_walks_widen_every_fp8_code_exactly(dtype):
 # lone decodes of 1 to 77 tokens (odd counts pair a token with itself, partial blocks), a set of 2 and one of 3 over
 # shared blocks (too few rows for the row-vectorized walk: they take the pair products too), and a set of 6
 PAIRED_GROUPS = [(2, [1, 15]), (1, [32, 17, 7]), (3, [1, 16, 2, 5, 9, 40]), (0, [5]), (0, [32]), (0, [1]), (0, [77])]
-
-
-def assert_within_bfloat16_weights(got: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
-                                   v_cache: torch.Tensor, meta, scale: float) -> None:
-    """Asserts `got` within what rounding each softmax weight to a bfloat16 can move float32 attention over the widened
-    pool: |sum w'v - sum wv| / sum w <= 2^-8 sum w|v| / sum w (a bfloat16 keeps 8 significant bits, so each weight
-    moves by at most 2^-8 of itself), plus 1e-5 for float32's sums."""
-    reference = TorchOps(native=False)
-    want = reference.attention(query, k_cache.float(), v_cache.float(), meta, scale)
-    mean_magnitude = reference.attention(query, k_cache.float(), v_cache.float().abs(), meta, scale)
-    ratio = ((got - want).abs() / (2**-8 * mean_magnitude + 1e-5)).max()
-    assert ratio <= 1, f"{ratio:.2f} times the bound"
 
 
 def bfloat16_exact_batch(dtype: torch.dtype, heads: int, kv_heads: int, dim: int,

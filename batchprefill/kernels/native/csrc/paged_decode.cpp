@@ -467,8 +467,8 @@ inline void accumulate_many(const float* weights, int64_t padded, const float* v
 // in float32 and summed in float32, so the scores differ from score_tiles' only in the order of the sums (the
 // caller passes pairs only for queries bfloat16 holds exactly); they are scaled here, not in the query. 9 sets of 9
 // decodes over 448 shared tokens, one thread, 30 layers: 44.8 -> 36.9 ms in cache, 54.5 -> 48.0 from memory
-// (benchmarks/walk_builds.py --dtype bfloat16, AMD EPYC Zen 4); the values stay float32 FMAs, whose weights would
-// have to be rounded to bfloat16 to pair them.
+// (benchmarks/walk_builds.py --dtype bfloat16, AMD EPYC Zen 4). The values are taken as pairs too where the
+// byte tables are built (accumulate_many_paired), the weights rounded to one bfloat16 each.
 template <int Tiles>
 inline void score_tiles_paired(const uint32_t* query, int64_t padded, int64_t tile, const uint16_t* k, int64_t stride,
                                int64_t count, int64_t dim, float scale, float* scores) {
@@ -514,13 +514,14 @@ inline void accumulate_paired(const uint32_t* weights, const uint16_t* pairs, in
                               const float* rescales, float* acc, int64_t weight_stride);
 template <typename Fp8>
 inline void pair_values(const Fp8* values, int64_t stride, int64_t count, uint16_t* pairs);
+inline void pair_values(const uint16_t* values, int64_t stride, int64_t count, uint16_t* pairs);
 
-// walk_many's values over an FP8 pool as walk_few_paired takes them: the block's values as bfloat16 pairs of tokens
-// (`pairs`, this head's), each row's weights as bfloat16 (16 rows per conversion), so one VDPBF16PS takes 32 products
-// where accumulate_many's FMA takes 16 of values widened to float32 (see walk_few_paired on the weights' rounding). 9
-// sets of 9 decodes over 448 shared tokens, one thread, 30 layers, CPU time, AMD EPYC Zen 4: e4m3 47.3 -> 41.7 ms
-// with each weight as two bfloat16 (bfloat16 pool 60.9 and 59.8: 0.78 -> 0.70x; benchmarks/cpu/fp8_kv.py --walks
-// --baseline main), 35.5 -> 30.1 with one (bfloat16 pool 50.4: 0.60x).
+// walk_many's values over an FP8 or a bfloat16 pool as walk_few_paired takes them: the block's values as bfloat16
+// pairs of tokens (`pairs`, this head's), each row's weights as bfloat16 (16 rows per conversion), so one VDPBF16PS
+// takes 32 products where accumulate_many's FMA takes 16 of values widened to float32 (see walk_few_paired on the
+// weights' rounding). 9 sets of 9 decodes over 448 shared tokens, one thread, 30 layers, CPU time, AMD EPYC Zen 4
+// (benchmarks/cpu/fp8_kv.py --walks --baseline REV): e4m3 47.3 -> 41.7 ms with each weight as two bfloat16, 35.5 ->
+// 30.1 with one; a bfloat16 pool, its values widened to float32 before, 52.5 -> 39.0 paired.
 template <int Quads>
 inline void accumulate_many_paired(const uint32_t* weights, int64_t padded, const uint16_t* pairs, int64_t count,
                                    int64_t stride, const float* rescales, int64_t n, float* acc) {
@@ -568,19 +569,21 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
     const float* k = nullptr;
     const float* v = nullptr;
     const uint16_t* pair_keys = nullptr;
-    bool values_paired = false;  // an FP8 block's values as bfloat16 pairs (accumulate_many_paired)
-    if (paired) {  // the keys stay bfloat16 (an FP8 pool's are narrowed to it); the values widened or paired
+    bool values_paired = false;  // the block's values as bfloat16 pairs (accumulate_many_paired)
+    if (paired) {  // the keys stay bfloat16 (an FP8 pool's are narrowed to it); the values paired or widened
       if constexpr (kFp8<Cache>) {
         narrow_to_bfloat16(raw_keys, s.narrow_keys.data(), s.keys.data(), count * stride);
         pair_keys = s.narrow_keys.data();
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-        values_paired = dim == 64 || dim == 128 || dim == 256;
-        if (values_paired)
-          pair_values(pool.v_cache + blocks[b] * pool.block_stride, stride, count, s.value_pairs.data());
-#endif
       } else if constexpr (std::is_same_v<Cache, uint16_t>) {
         pair_keys = raw_keys;
       }
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+      if constexpr (kFp8<Cache> || std::is_same_v<Cache, uint16_t>) {
+        values_paired = dim == 64 || dim == 128 || dim == 256;
+        if (values_paired)
+          pair_values(pool.v_cache + blocks[b] * pool.block_stride, stride, count, s.value_pairs.data());
+      }
+#endif
       if (!values_paired) {
         widen(pool.v_cache + blocks[b] * pool.block_stride, s.values.data(), count * stride);
         v = s.values.data();
@@ -1004,6 +1007,26 @@ inline void pair_values(const Fp8* values, int64_t stride, int64_t count, uint16
   }
 }
 
+// A bfloat16 pool's `count` tokens' values as pairs of adjacent tokens, as the FP8 overload lays them out.
+inline void pair_values(const uint16_t* values, int64_t stride, int64_t count, uint16_t* pairs) {
+  // word 2i from the first token's word i, word 2i + 1 from the second's: the low and the high 16 words of 32
+  alignas(64) static const uint16_t low_order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t high_order[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(low_order), high = _mm512_load_si512(high_order);
+  for (int64_t p = 0; p < (count + 1) / 2; ++p) {
+    const uint16_t* first = values + 2 * p * stride;
+    const uint16_t* second = first + (2 * p + 1 < count ? stride : 0);
+    for (int64_t i = 0; i < stride; i += 32) {
+      const __m512i a = _mm512_loadu_si512(first + i), b = _mm512_loadu_si512(second + i);
+      uint16_t* target = pairs + 2 * (p * stride + i);
+      _mm512_storeu_si512(target, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_storeu_si512(target + 32, _mm512_permutex2var_epi16(a, high, b));
+    }
+  }
+}
+
 // walk_few's walk (same state, from the first token: skips come with batch invariance only) with `query`
 // [heads][n][dim] bfloat16, unscaled; `scale` is applied to the scores.
 template <int Quads, typename Fp8>
@@ -1202,7 +1225,7 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
     s.transposed.resize(kv_heads * dim * padded);
     if (kPairs && (std::is_same_v<Cache, uint16_t> || kFp8<Cache>)) s.pairs.resize(kv_heads * (dim / 2) * padded);
     if (kPairs && kFp8<Cache>) s.narrow_keys.resize(block * pool.token_stride);
-    if (kPairedFew && kFp8<Cache>) {
+    if (kPairedFew && (std::is_same_v<Cache, uint16_t> || kFp8<Cache>)) {
       s.many_weights.resize((block + 1) / 2 * padded);
       s.value_pairs.resize((block + 1) / 2 * 2 * pool.token_stride);
       s.weight_pairs.resize(16 * kFewRows);
