@@ -1078,7 +1078,7 @@ void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, co
           }
           for (int64_t r = 0; r < rows; ++r)
             accumulate_paired<Quads>(reinterpret_cast<const uint32_t*>(weights + 16 * r),
-                                     pairs + 2 * (t * stride + h * dim), stride, tokens, rescale + r,
+                                     pairs + t * stride + 2 * h * dim, stride, tokens, rescale + r,
                                      acc + (h * n + first + r) * dim, 1);
         }
       }
