@@ -1029,18 +1029,23 @@ inline void pair_values(const uint16_t* values, int64_t stride, int64_t count, u
 
 // walk_few's walk (same state, from the first token: skips come with batch invariance only) with `query`
 // [heads][n][dim] bfloat16, unscaled; `scale` is applied to the scores.
-template <int Quads, typename Fp8>
-void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Fp8>& pool, const int64_t* blocks,
+template <int Quads, typename Cache>
+void walk_few_paired(const uint16_t* query, int64_t n, const Pool<Cache>& pool, const int64_t* blocks,
                      int64_t length, float scale, Scratch& s, float* maxes, float* sums, float* acc) {
   constexpr int64_t dim = 64 * Quads;
   const int64_t block = pool.block, stride = pool.token_stride, heads = pool.heads;
-  uint16_t* keys = s.narrow_keys.data();
   uint16_t* pairs = s.value_pairs.data();
   uint16_t* weights = s.weight_pairs.data();  // [kFewRows][16]
   for (int64_t b = 0; b * block < length; ++b) {
     const int64_t count = std::min(block, length - b * block);
     const int64_t offset = blocks[b] * pool.block_stride;
-    narrow_to_bfloat16(pool.k_cache + offset, keys, s.keys.data(), count * stride);
+    const uint16_t* keys = nullptr;  // the block's keys as bfloat16: a bfloat16 pool's own, an FP8 one's narrowed
+    if constexpr (kFp8<Cache>) {
+      narrow_to_bfloat16(pool.k_cache + offset, s.narrow_keys.data(), s.keys.data(), count * stride);
+      keys = s.narrow_keys.data();
+    } else {
+      keys = pool.k_cache + offset;
+    }
     pair_values(pool.v_cache + offset, stride, count, pairs);
     // the next block requested a head's share at a time: all of it at once stalled on the outstanding misses
     const int64_t ahead = (b + 1) * block < length ? std::min(block, length - (b + 1) * block) * stride : 0;
@@ -1103,17 +1108,17 @@ inline bool bfloat16_rows(const float* query, const int64_t* member_rows, int64_
   return inexact == 0;
 }
 
-// Whether walk_few_paired walks this pool: FP8, heads of 64, 128 or 256.
+// Whether walk_few_paired walks this pool: FP8 or bfloat16, heads of 64, 128 or 256.
 template <typename Cache>
 constexpr bool takes_few_paired(int64_t dim) {
-  return kFp8<Cache> && (dim == 64 || dim == 128 || dim == 256);
+  return (kFp8<Cache> || std::is_same_v<Cache, uint16_t>) && (dim == 64 || dim == 128 || dim == 256);
 }
 
 // walk_few_paired at this pool's head size; true (walked) where takes_few_paired holds.
 template <typename Cache>
 bool walk_few_paired(const uint16_t* query, int64_t n, const Pool<Cache>& pool, const int64_t* blocks, int64_t length,
                      float scale, Scratch& s, float* maxes, float* sums, float* acc) {
-  if constexpr (kFp8<Cache>) {
+  if constexpr (kFp8<Cache> || std::is_same_v<Cache, uint16_t>) {
     switch (pool.dim) {
       case 64: walk_few_paired<1>(query, n, pool, blocks, length, scale, s, maxes, sums, acc); return true;
       case 128: walk_few_paired<2>(query, n, pool, blocks, length, scale, s, maxes, sums, acc); return true;
