@@ -61,7 +61,8 @@ inline void widen(const uint16_t* source, float* target, int64_t count) {
 // FP8 pools (kernels/fp8_kv.py), one byte an element. Per block of SmolLM2 (16 tokens x 3 heads x 64) that is 3,072
 // bytes of K and of V to read where bfloat16 reads 6,144. Where AVX-512 VBMI is built, blocks convert by byte tables
 // (fp8_to_bfloat16 below), and bfloat16 queries walk a decode's own blocks and small sets' shared ones by pair
-// products (walk_few_paired), large sets' shared ones too (score_tiles_paired, accumulate_many_paired). Elsewhere a
+// products (walk_few_paired), large sets' shared ones too (score_tiles_paired, accumulate_many_paired), as over a
+// bfloat16 pool. Elsewhere a
 // block is widened to float32 as a bfloat16 pool's is: e5m2 is a float16's upper byte; e4m3fn's seven low bits
 // shifted into a float16's exponent and mantissa give its value / 256 exactly, subnormals too (the exponent biases
 // differ by 8), so either widens as float16 bits by F16C's conversion, e4m3 then times 256.
@@ -903,10 +904,11 @@ void walk_few(const float* query, int64_t n, const Pool<Cache>& pool, const int6
 constexpr int64_t kFewRows = 4;  // walk_few_paired's rows side by side
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-// walk_few over an FP8 pool for bfloat16 queries, as bfloat16 pair products (VDPBF16PS): each block's keys converted
-// by the byte tables to bfloat16 (a block at a time, into an L1 buffer the rows share), its values to pairs of
-// adjacent tokens' bfloat16 values, so one instruction takes 32 products where walk_few spends an FMA on 16 and
-// first widens every code to float32 by F16C. Products of two bfloat16 are exact in float32 and summed in float32,
+// walk_few over an FP8 or a bfloat16 pool for bfloat16 queries, as bfloat16 pair products (VDPBF16PS): an FP8
+// block's keys converted by the byte tables to bfloat16 (a block at a time, into an L1 buffer the rows share; a
+// bfloat16 pool's read where they lie), its values to pairs of adjacent tokens' bfloat16 values, so one instruction
+// takes 32 products where walk_few spends an FMA on 16 and first widens every element to float32 (by F16C for FP8,
+// by a shift for bfloat16). Products of two bfloat16 are exact in float32 and summed in float32,
 // as score_tiles_paired's. Scores: each row against 16 tokens in 16 registers, reduced together by a transposing tree
 // (45 instructions for 16 dot products, where dot_rows spends about 20 on 4); values: each softmax weight rounded to
 // one bfloat16, as the AMX tile walks and GPU flash attention take it, its sum kept in float32. A weight then moves by
@@ -916,8 +918,9 @@ constexpr int64_t kFewRows = 4;  // walk_few_paired's rows side by side
 // of float32 and cost a second product per value: the shared walks took 1.18x this time (9 sets of 9 decodes over
 // 448 shared tokens, e4m3, 30.1 against 35.5 ms; the lone walks below are bound by memory and did not move). Head
 // sizes 64, 128 and 256 (Quads = dim / 64); not under batch invariance (walk_few's order is that mode's contract).
-// One thread, 30 layers, AMD EPYC Zen 4, CPU time: 80 lone decodes of 512 tokens over e4m3 114.8 -> 79.5 ms
-// (bfloat16 pool 130.0), 81 of 128 tokens 32.2 -> 24.4 (benchmarks/cpu/fp8_kv.py --walks --baseline 0b6ae7f).
+// One thread, 30 layers, AMD EPYC Zen 4, CPU time (benchmarks/cpu/fp8_kv.py --walks --baseline REV): 80 lone decodes
+// of 512 tokens over e4m3 114.8 -> 79.5 ms, 81 of 128 tokens 32.2 -> 24.4; over a bfloat16 pool (session 48) 110.4
+// -> 99.3 and 33.1 -> 23.6, and a step's prefill chunks walked 0.76-0.98x the time (benchmarks/cpu/chunk_routes.py).
 // Tried and dropped: two rows at a time sharing each value load (1.07x the time).
 constexpr bool kPairedFew = true;
 
