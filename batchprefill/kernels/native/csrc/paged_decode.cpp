@@ -62,10 +62,9 @@ inline void widen(const uint16_t* source, float* target, int64_t count) {
 // bytes of K and of V to read where bfloat16 reads 6,144. Where AVX-512 VBMI is built, blocks convert by byte tables
 // (fp8_to_bfloat16 below), and bfloat16 queries walk a decode's own blocks and small sets' shared ones by pair
 // products (walk_few_paired), large sets' shared ones too (score_tiles_paired, accumulate_many_paired), as over a
-// bfloat16 pool. Elsewhere a
-// block is widened to float32 as a bfloat16 pool's is: e5m2 is a float16's upper byte; e4m3fn's seven low bits
-// shifted into a float16's exponent and mantissa give its value / 256 exactly, subnormals too (the exponent biases
-// differ by 8), so either widens as float16 bits by F16C's conversion, e4m3 then times 256.
+// bfloat16 pool. Elsewhere a block is widened to float32 as a bfloat16 pool's is: e5m2 is a float16's upper byte;
+// e4m3fn's seven low bits shifted into a float16's exponent and mantissa give its value / 256 exactly, subnormals too
+// (the exponent biases differ by 8), so either widens as float16 bits by F16C's conversion, e4m3 then times 256.
 struct E4M3 {
   uint8_t bits;
 };
@@ -273,7 +272,7 @@ struct Scratch {
   std::vector<uint16_t> narrow_keys;  // an FP8 block's keys as bfloat16, for the pair products
   // walk_few_paired: a block's values as bfloat16 pairs of tokens, the weights as bfloat16, the query rows as bfloat16
   std::vector<uint16_t> value_pairs, weight_pairs, query_pairs;
-  // walk_many over an FP8 pool: a block's weights as bfloat16 pairs of tokens [token pair][padded]
+  // walk_many over an FP8 or a bfloat16 pool: a block's weights as bfloat16 pairs of tokens [token pair][padded]
   std::vector<uint32_t> many_weights;
 };
 
@@ -513,9 +512,8 @@ inline void score_head(const float* transposed, const uint32_t* paired, int64_t 
 template <int Quads, int Rows = 1>
 inline void accumulate_paired(const uint32_t* weights, const uint16_t* pairs, int64_t stride, int64_t count,
                               const float* rescales, float* acc, int64_t weight_stride);
-template <typename Fp8>
-inline void pair_values(const Fp8* values, int64_t stride, int64_t count, uint16_t* pairs);
-inline void pair_values(const uint16_t* values, int64_t stride, int64_t count, uint16_t* pairs);
+template <typename Cache>
+inline void pair_values(const Cache* values, int64_t stride, int64_t count, uint16_t* pairs);
 
 // walk_many's values over an FP8 or a bfloat16 pool as walk_few_paired takes them: the block's values as bfloat16
 // pairs of tokens (`pairs`, this head's), each row's weights as bfloat16 (16 rows per conversion), so one VDPBF16PS
@@ -529,7 +527,8 @@ inline void accumulate_many_paired(const uint32_t* weights, int64_t padded, cons
   int64_t r = 0;
   for (; r + 2 <= n; r += 2)
     accumulate_paired<Quads, 2>(weights + r, pairs, stride, count, rescales + r, acc + r * 64 * Quads, padded);
-  for (; r < n; ++r) accumulate_paired<Quads>(weights + r, pairs, stride, count, rescales + r, acc + r * 64 * Quads, padded);
+  for (; r < n; ++r)
+    accumulate_paired<Quads>(weights + r, pairs, stride, count, rescales + r, acc + r * 64 * Quads, padded);
 }
 
 // walk_many's softmax for accumulate_many_paired, 16 rows (`scores` at their tile): exp(score - running) for each token,
@@ -988,44 +987,35 @@ inline void accumulate_paired(const uint32_t* weights, const uint16_t* pairs, in
   }
 }
 
-// `count` tokens' values (`stride` codes each, contiguous) as pairs of adjacent tokens, [count / 2][stride][2]
-// bfloat16; an odd count pairs its last token with itself (its partner's weight is zero).
-template <typename Fp8>
-inline void pair_values(const Fp8* values, int64_t stride, int64_t count, uint16_t* pairs) {
-  const Fp8Tables& tables = fp8_tables<Fp8>();
-  const CodeOrders& orders = code_orders();
-  for (int64_t p = 0; p < (count + 1) / 2; ++p) {
-    const Fp8* first = values + 2 * p * stride;
-    const Fp8* second = first + (2 * p + 1 < count ? stride : 0);
-    for (int64_t i = 0; i < stride; i += 64) {
-      const __m512i a = _mm512_loadu_si512(first + i), b = _mm512_loadu_si512(second + i);
-      uint16_t* target = pairs + 2 * (p * stride + i);
-      const auto [w0, w1] = fp8_to_bfloat16(_mm512_permutex2var_epi8(a, orders.pair_low, b), tables);
-      const auto [w2, w3] = fp8_to_bfloat16(_mm512_permutex2var_epi8(a, orders.pair_high, b), tables);
-      _mm512_storeu_si512(target, w0);
-      _mm512_storeu_si512(target + 32, w1);
-      _mm512_storeu_si512(target + 64, w2);
-      _mm512_storeu_si512(target + 96, w3);
-    }
-  }
-}
-
-// A bfloat16 pool's `count` tokens' values as pairs of adjacent tokens, as the FP8 overload lays them out.
-inline void pair_values(const uint16_t* values, int64_t stride, int64_t count, uint16_t* pairs) {
-  // word 2i from the first token's word i, word 2i + 1 from the second's: the low and the high 16 words of 32
-  alignas(64) static const uint16_t low_order[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+// `count` tokens' values (`stride` elements each, contiguous, FP8 or bfloat16) as pairs of adjacent tokens,
+// [count / 2][stride][2] bfloat16; an odd count pairs its last token with itself (its partner's weight is zero).
+template <typename Cache>
+inline void pair_values(const Cache* values, int64_t stride, int64_t count, uint16_t* pairs) {
+  constexpr int64_t step = kFp8<Cache> ? 64 : 32;  // elements in one 512-bit load
+  // bfloat16: word 2i from the first token's word i, word 2i + 1 from the second's, for the low and high 16 of 32
+  alignas(64) static const uint16_t low_words[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t high_order[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+  alignas(64) static const uint16_t high_words[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                        24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i low = _mm512_load_si512(low_order), high = _mm512_load_si512(high_order);
   for (int64_t p = 0; p < (count + 1) / 2; ++p) {
-    const uint16_t* first = values + 2 * p * stride;
-    const uint16_t* second = first + (2 * p + 1 < count ? stride : 0);
-    for (int64_t i = 0; i < stride; i += 32) {
+    const Cache* first = values + 2 * p * stride;
+    const Cache* second = first + (2 * p + 1 < count ? stride : 0);
+    for (int64_t i = 0; i < stride; i += step) {
       const __m512i a = _mm512_loadu_si512(first + i), b = _mm512_loadu_si512(second + i);
       uint16_t* target = pairs + 2 * (p * stride + i);
-      _mm512_storeu_si512(target, _mm512_permutex2var_epi16(a, low, b));
-      _mm512_storeu_si512(target + 32, _mm512_permutex2var_epi16(a, high, b));
+      if constexpr (kFp8<Cache>) {
+        const Fp8Tables& tables = fp8_tables<Cache>();
+        const CodeOrders& orders = code_orders();
+        const auto [w0, w1] = fp8_to_bfloat16(_mm512_permutex2var_epi8(a, orders.pair_low, b), tables);
+        const auto [w2, w3] = fp8_to_bfloat16(_mm512_permutex2var_epi8(a, orders.pair_high, b), tables);
+        _mm512_storeu_si512(target, w0);
+        _mm512_storeu_si512(target + 32, w1);
+        _mm512_storeu_si512(target + 64, w2);
+        _mm512_storeu_si512(target + 96, w3);
+      } else {
+        _mm512_storeu_si512(target, _mm512_permutex2var_epi16(a, _mm512_load_si512(low_words), b));
+        _mm512_storeu_si512(target + 32, _mm512_permutex2var_epi16(a, _mm512_load_si512(high_words), b));
+      }
     }
   }
 }
