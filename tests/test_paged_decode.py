@@ -97,11 +97,11 @@ def test_a_bfloat16_pool_is_widened_exactly_before_the_float32_arithmetic():
 
 
 def assert_within_bfloat16_weights(got: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
-                                   v_cache: torch.Tensor, meta, scale: float) -> None:
+                                   v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
     """Asserts `got` within what rounding each softmax weight to a bfloat16 can move float32 attention over the widened
     pool: |sum w'v - sum wv| / sum w <= 2^-8 sum w|v| / sum w (a bfloat16 keeps 8 significant bits, so each weight
     moves by at most 2^-8 of itself), plus 1e-5 for float32's sums; a bfloat16 `got` is the output rounded once more,
-    by up to 2^-8 of itself."""
+    by up to 2^-8 of itself. Returns that float32 attention."""
     reference = TorchOps(native=False)
     query = query.float()
     want = reference.attention(query, k_cache.float(), v_cache.float(), meta, scale)
@@ -111,6 +111,7 @@ def assert_within_bfloat16_weights(got: torch.Tensor, query: torch.Tensor, k_cac
         bound = bound + 2**-8 * want.abs()
     ratio = ((got.float() - want).abs() / bound).max()
     assert ratio <= 1, f"{ratio:.2f} times the bound"
+    return want
 
 
 @pytest.mark.parametrize("dim", [64, 128])

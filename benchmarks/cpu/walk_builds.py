@@ -36,7 +36,8 @@ from batchprefill.kernels.native import build as native  # noqa: E402
 from batchprefill.kernels.native import paged_decode  # noqa: E402
 from batchprefill.kernels.torch.ops import TorchOps  # noqa: E402
 
-SOURCES = "batchprefill/kernels/native/csrc"
+REPO = Path(__file__).resolve().parents[2]
+SOURCES = native.SOURCES.resolve().relative_to(REPO).as_posix()  # the native sources' folder, as git names it
 
 
 def revision_sources(revision: str, folder: Path, repo: Path | None = None) -> Path:

@@ -222,6 +222,11 @@ inline void widen(const E5M2* source, float* target, int64_t count) { widen_fp8(
 
 template <typename Cache>
 constexpr bool kFp8 = std::is_same_v<Cache, E4M3> || std::is_same_v<Cache, E5M2>;
+// Pools whose elements are bfloat16 or widen to it exactly (FP8): the pair products can read them.
+template <typename Cache>
+constexpr bool kPairable = kFp8<Cache> || std::is_same_v<Cache, uint16_t>;
+// Head sizes the paired weights-times-values loops take (64 dimensions a step).
+constexpr bool pairs_head(int64_t dim) { return dim == 64 || dim == 128 || dim == 256; }
 
 // An FP8 block as bfloat16 bits, for the pair products (score_tiles_paired): every e4m3 and e5m2 value is a bfloat16
 // exactly (3 and 2 mantissa bits, exponents within bfloat16's), so the upper half of its float32 is the value.
@@ -578,8 +583,8 @@ void walk_many(const float* transposed, int64_t n, int64_t padded, const Pool<Ca
         pair_keys = raw_keys;
       }
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-      if constexpr (kFp8<Cache> || std::is_same_v<Cache, uint16_t>) {
-        values_paired = dim == 64 || dim == 128 || dim == 256;
+      if constexpr (kPairable<Cache>) {
+        values_paired = pairs_head(dim);
         if (values_paired)
           pair_values(pool.v_cache + blocks[b] * pool.block_stride, stride, count, s.value_pairs.data());
       }
@@ -1106,14 +1111,14 @@ inline bool bfloat16_rows(const float* query, const int64_t* member_rows, int64_
 // Whether walk_few_paired walks this pool: FP8 or bfloat16, heads of 64, 128 or 256.
 template <typename Cache>
 constexpr bool takes_few_paired(int64_t dim) {
-  return (kFp8<Cache> || std::is_same_v<Cache, uint16_t>) && (dim == 64 || dim == 128 || dim == 256);
+  return kPairable<Cache> && pairs_head(dim);
 }
 
 // walk_few_paired at this pool's head size; true (walked) where takes_few_paired holds.
 template <typename Cache>
 bool walk_few_paired(const uint16_t* query, int64_t n, const Pool<Cache>& pool, const int64_t* blocks, int64_t length,
                      float scale, Scratch& s, float* maxes, float* sums, float* acc) {
-  if constexpr (kFp8<Cache> || std::is_same_v<Cache, uint16_t>) {
+  if constexpr (kPairable<Cache>) {
     switch (pool.dim) {
       case 64: walk_few_paired<1>(query, n, pool, blocks, length, scale, s, maxes, sums, acc); return true;
       case 128: walk_few_paired<2>(query, n, pool, blocks, length, scale, s, maxes, sums, acc); return true;
@@ -1223,9 +1228,9 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
     s.rescales.resize(padded);
     s.rows.resize(kv_heads * padded * dim);
     s.transposed.resize(kv_heads * dim * padded);
-    if (kPairs && (std::is_same_v<Cache, uint16_t> || kFp8<Cache>)) s.pairs.resize(kv_heads * (dim / 2) * padded);
+    if (kPairs && kPairable<Cache>) s.pairs.resize(kv_heads * (dim / 2) * padded);
     if (kPairs && kFp8<Cache>) s.narrow_keys.resize(block * pool.token_stride);
-    if (kPairedFew && (std::is_same_v<Cache, uint16_t> || kFp8<Cache>)) {
+    if (kPairedFew && kPairable<Cache>) {
       s.many_weights.resize((block + 1) / 2 * padded);
       s.value_pairs.resize((block + 1) / 2 * 2 * pool.token_stride);
       s.weight_pairs.resize(16 * kFewRows);
@@ -1247,7 +1252,7 @@ void decode_sets(const float* query, const Pool<Cache>& pool, const Plan& plan, 
       std::fill(sums, sums + kv_heads * width, 0.0f);
       std::fill(acc, acc + kv_heads * n * dim, 0.0f);
       const uint32_t* paired = nullptr;  // the rows as bfloat16 pairs, read from `query` itself
-      if constexpr (kPairs && (std::is_same_v<Cache, uint16_t> || kFp8<Cache>)) {
+      if constexpr (kPairs && kPairable<Cache>) {
         if (many &&
             pair_queries(query, rows + first, members, row_stride, kv_heads, per_kv, dim, width, s.pairs.data()))
           paired = s.pairs.data();
