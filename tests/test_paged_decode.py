@@ -190,6 +190,33 @@ def test_a_cpu_with_bfloat16_but_no_amx_walks_a_bfloat16_pool_as_pair_products_w
     assert_within_bfloat16_weights(got, query, k_cache, v_cache, meta, 0.125)
 
 
+# In 64-token blocks: a set of 7 decodes over 3 shared blocks (21 rows at 3 query heads per KV head: the row-vectorized
+# walk), a set of 2 over 1, two lone decodes, one of them 130 tokens long
+SLICED_GROUPS = [(3, [1, 15, 16, 40, 2, 17, 70]), (1, [9, 64]), (0, [5]), (0, [130])]
+
+
+@pytest.mark.parametrize(("pool", "query_dtype", "options", "window"), [
+    (torch.float32, torch.float32, {}, None), (torch.bfloat16, torch.bfloat16, {}, None),
+    (torch.float8_e4m3fn, torch.bfloat16, {}, None), (torch.float32, torch.float32, {"batch_invariant": True}, 90)],
+    ids=["float32", "bfloat16", "e4m3", "batch-invariant-window-90"])
+def test_a_pool_of_64_token_blocks_walks_as_16_token_slices_with_the_bits_of_16_token_blocks(
+        kernel, pool, query_dtype, options, window):
+    # block b of 64 tokens is slices 4b to 4b + 3 of the same memory viewed in blocks of 16; walked whole, a bigger
+    # block's buffers outgrew the L1 cache (blocks of 32-128 took 1.16-1.35x the time of 16). Under the window rows
+    # start inside a block: the 262-token decode skips 44 tokens of its block at 172, two whole slices and 12 tokens
+    tables, lens = decodes(SLICED_GROUPS, 64)
+    q_lens = [1] * len(lens)
+    query, k_cache, v_cache, meta = flat_batch(q_lens, lens, tables, 9, 3, 64, 64,
+                                               num_blocks=max(map(max, tables)) + 1, seed=3)
+    query, k_cache, v_cache = query.to(query_dtype), k_cache.to(pool), v_cache.to(pool)
+    slices = [[4 * b + j for b in table for j in range(4)][: cdiv(length, 16)] for table, length in zip(tables, lens)]
+    sliced_meta = flat_batch(q_lens, lens, slices, 9, 3, 64, 16, num_blocks=1)[3]
+    ops = TorchOps(**options)
+    got = ops.attention(query, k_cache, v_cache, meta, 0.125, window)
+    want = ops.attention(query, k_cache.view(-1, 16, 3, 64), v_cache.view(-1, 16, 3, 64), sliced_meta, 0.125, window)
+    assert torch.equal(got, want)
+
+
 def test_a_bfloat16_model_gets_its_decode_rows_back_in_bfloat16(kernel):
     # a step with a chunk beside the decodes: the kernel writes the decode rows, the chunk's rows (nothing cached
     # before them) stay the torch path's; a float32 scratch output is copied back to the model's dtype

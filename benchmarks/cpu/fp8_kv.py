@@ -5,6 +5,7 @@ the same best choice, and how long greedy answers stay the same.
     python benchmarks/cpu/fp8_kv.py --kv-cache-dtype fp8_e5m2 --prompts 16 --tokens 64
     python benchmarks/cpu/fp8_kv.py --walks --threads 1      # the C++ decode walks' time over each pool dtype
     python benchmarks/cpu/fp8_kv.py --walks --baseline REV   # ... and the same walks at REV's kernel, in turn
+    python benchmarks/cpu/fp8_kv.py --walks --block 64       # ... over a pool of 64-token blocks
     python benchmarks/cpu/fp8_kv.py --stores --baseline REV  # a decode step's KV stores, bfloat16 and e4m3 pools
 
 Score rows: the shipped sample's 48 prompts (data_samples/prompts.parquet), each scored twice, against the four
@@ -18,6 +19,8 @@ and the best of 7 rounds kept, so a busy machine slows them alike (benchmarks/cp
 SmolLM2's shapes). Milliseconds (the process's CPU time with one thread, wall time with more), and each FP8
 pool's time over bfloat16's. `--baseline REV` builds REV's
 paged_decode.cpp here with the same flags (benchmarks/cpu/walk_builds.py) and times its walks in the same turns.
+`--block N`: the pools' block size (engine.block_size; 16 by default). The cases' lengths stay as named, except that
+a lone decode's first block is whole (at blocks of 64 the 128- and 512-token decodes read 176 and 528 tokens).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ WALK_CASES = [(9, 9, 448, 48, "9 groups of 9 decodes over 448 shared tokens, 48 
               (81, 1, 16, 112, "81 lone decodes of 128 tokens"), (80, 1, 496, 16, "80 lone decodes of 512 tokens")]
 
 
-def walks(threads: int, baseline: str | None) -> None:
+def walks(threads: int, baseline: str | None, block: int) -> None:
     import tempfile
 
     import torch
@@ -75,11 +78,12 @@ def walks(threads: int, baseline: str | None) -> None:
                   "this checkout": built_ops(native.SOURCES / "paged_decode.cpp", Path(folder.name) / "this.so", [])}
     dtypes = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
     timing = "CPU time" if threads == 1 else "wall time"
-    print(f"CPU: {cpu_model()}; {threads} thread(s); ms a step of 30 layers ({timing}), best of 7")
+    print(f"CPU: {cpu_model()}; {threads} thread(s); blocks of {block} tokens; ms a step of 30 layers ({timing}), "
+          "best of 7")
     print("| case | build | bfloat16 ms | e4m3 ms | e5m2 ms | e4m3 / bfloat16 | e5m2 / bfloat16 |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for groups, members, prefix, own, name in WALK_CASES:
-        query, keys, values, meta = decode_batch(groups=groups, members=members, prefix=prefix, own=own)
+        query, keys, values, meta = decode_batch(groups=groups, members=members, prefix=prefix, own=own, block=block)
         query = query.bfloat16()
         pools = {dtype: [(to_cache(keys + 0.01 * i, dtype), to_cache(values - 0.01 * i, dtype)) for i in range(30)]
                  for dtype in dtypes}
@@ -155,6 +159,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--walks", action="store_true", help="time the C++ decode walks instead")
     parser.add_argument("--threads", type=int, default=1, help="with --walks")
+    parser.add_argument("--block", type=int, default=16, help="with --walks: the pools' block size")
     parser.add_argument("--stores", action="store_true", help="time the C++ KV stores instead")
     parser.add_argument("--baseline", help="with --walks or --stores: also time this git revision's kernel, built "
                         "here, in turn")
@@ -163,7 +168,7 @@ def main() -> None:
         stores(args.baseline)
         return
     if args.walks:
-        walks(args.threads, args.baseline)
+        walks(args.threads, args.baseline, args.block)
         return
     scored = score_rows()
     greedy = pl.read_parquet(REPO / "data_samples" / "prompts.parquet").filter(

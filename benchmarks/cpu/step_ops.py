@@ -4,6 +4,7 @@
     python benchmarks/cpu/step_ops.py --baseline REV        # and, in the same run, the code at git REV
     python benchmarks/cpu/step_ops.py --job reward          # a prefill-only job instead: seconds over all its steps
     python benchmarks/cpu/step_ops.py --kv-cache-dtype fp8  # with engine.kv_cache_dtype=fp8 (default auto)
+    python benchmarks/cpu/step_ops.py --block-size 64       # with engine.block_size=64 (default 16)
 
 Runs `decode512`'s 80 rows (benchmarks/workloads.py) for `--tokens` output tokens each, in `--dtype` (float32 by
 default), 2 threads, with a timer around every call of each op kind (linear layers, the LM head's pick, attention
@@ -109,7 +110,7 @@ def measure(args) -> dict:
         if decode:
             path = workloads.decode_heavy(args.tokens).write(Path(work))
             job = [f"sampling.max_tokens={args.tokens}", "sampling.ignore_eos=true", "data.chat_template=false",
-                   "engine.block_size=16"]
+                   f"engine.block_size={args.block_size}"]
         else:
             import pooling
 
@@ -142,6 +143,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch-invariant", action="store_true", help="with engine.batch_invariant=true")
     parser.add_argument("--kv-cache-dtype", default="auto", help="engine.kv_cache_dtype (auto: the model's dtype)")
+    parser.add_argument("--block-size", type=int, default=16, help="engine.block_size of the decode job")
     parser.add_argument("--baseline", help="a git revision to measure too, in the same run")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path)
@@ -164,7 +166,8 @@ def main() -> None:
         print(f"| {name} | {row[steps]} | " + " | ".join(str(row.get(label, "")) for label in labels) + " |")
     if args.out:
         settings = {"job": args.job, "tokens": args.tokens, "threads": args.threads, "dtype": args.dtype,
-                    "batch_invariant": args.batch_invariant, "kv_cache_dtype": args.kv_cache_dtype}
+                    "batch_invariant": args.batch_invariant, "kv_cache_dtype": args.kv_cache_dtype,
+                    "block_size": args.block_size}
         args.out.write_text(json.dumps({**settings, **rows}, indent=1))
 
 
@@ -172,7 +175,8 @@ def _child(tree: Path, args) -> dict:
     """This script, run from `tree`'s code (the script itself always from this checkout)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--job", args.job, "--tokens",
                str(args.tokens), "--threads", str(args.threads), "--dtype", args.dtype,
-               *(["--batch-invariant"] * args.batch_invariant), "--kv-cache-dtype", args.kv_cache_dtype]
+               *(["--batch-invariant"] * args.batch_invariant), "--kv-cache-dtype", args.kv_cache_dtype,
+               "--block-size", str(args.block_size)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(command, check=True, capture_output=True, text=True, env=env, cwd=tree)
     return json.loads(done.stdout.strip().splitlines()[-1])
