@@ -202,8 +202,9 @@ SLICED_GROUPS = [(3, [1, 15, 16, 40, 2, 17, 70]), (1, [9, 64]), (0, [5]), (0, [1
 def test_a_pool_of_64_token_blocks_walks_as_16_token_slices_with_the_bits_of_16_token_blocks(
         kernel, pool, query_dtype, options, window):
     # block b of 64 tokens is slices 4b to 4b + 3 of the same memory viewed in blocks of 16; walked whole, a bigger
-    # block's buffers outgrew the L1 cache (blocks of 32-128 took 1.16-1.35x the time of 16). Under the window rows
-    # start inside a block: the 262-token decode skips 44 tokens of its block at 172, two whole slices and 12 tokens
+    # block's buffers outgrew the L1 cache (blocks of 32-128 took 1.06-1.35x the time of their slices). Under the
+    # window rows start inside a block: the 262-token decode skips 44 tokens of its block at 172, two whole slices and
+    # 12 tokens of the third
     tables, lens = decodes(SLICED_GROUPS, 64)
     q_lens = [1] * len(lens)
     query, k_cache, v_cache, meta = flat_batch(q_lens, lens, tables, 9, 3, 64, 64,

@@ -1785,9 +1785,10 @@ bool takes_tiles(int64_t block, int64_t dim) {
 // The vector walks take a block of more than kSlice tokens as consecutive slices of kSlice, each slice one block of
 // a pool viewed with kSlice-token blocks (block id b of a pool of 4 x 16-token blocks is slices 4b to 4b + 3 of the
 // same memory). Walked whole, a bigger block's converted keys, paired values and scores outgrew the L1 cache the
-// walks keep them in: blocks of 32 and 64 tokens walked 1.16-1.22x the time of blocks of 16 over the same tokens
-// (9 sets of 9 decodes over 448 shared tokens, 81 lone decodes; e4m3 and bfloat16 pools, one thread, AMD EPYC Zen 4).
-// As slices every block size a multiple of 16 walks the same arithmetic as blocks of 16, so the same bits.
+// walks keep them in. As slices, blocks of 32, 64 and 128 tokens walk in 0.74-0.90x the time over a bfloat16 pool and
+// 0.79-0.94x over e4m3 (benchmarks/cpu/fp8_kv.py --walks --block N --baseline 751f2c4: 9 sets of 9 decodes over 448
+// shared tokens, 81 and 80 lone decodes; one thread, 30 layers, AMD EPYC Zen 4), and every block size a multiple of
+// 16 walks the arithmetic of blocks of 16, so its bits.
 constexpr int64_t kSlice = 16;
 
 // `count` block ids as the ids of their `slices` slices each, in order.
