@@ -218,6 +218,25 @@ def test_a_pool_of_64_token_blocks_walks_as_16_token_slices_with_the_bits_of_16_
     assert torch.equal(got, want)
 
 
+@settings(max_examples=30, deadline=None)
+@given(groups=st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(1, 100), min_size=1, max_size=8)),
+                       min_size=1, max_size=3),
+       block=st.sampled_from([4, 8, 16, 24, 32, 64]), dim=st.sampled_from([64, 128]), per_kv=st.sampled_from([1, 3, 7]),
+       pool=st.sampled_from([torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]), seed=st.integers(0, 99))
+def test_bfloat16_decodes_over_any_block_size_and_pool_stay_within_the_bfloat16_weights_bound(
+        groups, block, dim, per_kv, pool, seed):
+    # every walk a bfloat16 model's decodes take (the row-vectorized shared walk from 16 rows, the rows' own walks,
+    # 16-token slices of blocks of 32 and 64, blocks smaller than a slice) over every pool it reads with pair
+    # products. A block of 24 is walked whole, 16 tokens and then 8: the bug session 48 fixed (the values after a
+    # block's first 16 tokens read 16 pairs too far) fails here at block 24
+    tables, lens = decodes(groups, block)
+    query, k_cache, v_cache, meta = flat_batch([1] * len(lens), lens, tables, 2 * per_kv, 2, dim, block,
+                                               num_blocks=max(map(max, tables)) + 1, seed=seed)
+    query, k_cache, v_cache = query.bfloat16(), k_cache.to(pool), v_cache.to(pool)
+    got = TorchOps().attention(query, k_cache, v_cache, meta, 0.125)
+    assert_within_bfloat16_weights(got, query, k_cache, v_cache, meta, 0.125)
+
+
 def test_a_bfloat16_model_gets_its_decode_rows_back_in_bfloat16(kernel):
     # a step with a chunk beside the decodes: the kernel writes the decode rows, the chunk's rows (nothing cached
     # before them) stay the torch path's; a float32 scratch output is copied back to the model's dtype
