@@ -19,8 +19,9 @@ and the best of 7 rounds kept, so a busy machine slows them alike (benchmarks/cp
 SmolLM2's shapes). Milliseconds (the process's CPU time with one thread, wall time with more), and each FP8
 pool's time over bfloat16's. `--baseline REV` builds REV's
 paged_decode.cpp here with the same flags (benchmarks/cpu/walk_builds.py) and times its walks in the same turns.
-`--block N`: the pools' block size (engine.block_size; 16 by default). The cases' lengths stay as named, except that
-a lone decode's first block is whole (at blocks of 64 the 128- and 512-token decodes read 176 and 528 tokens).
+`--block N`: the pools' block size (engine.block_size; 16 by default). Each case's prefix rounds up to whole blocks,
+so bigger blocks read more tokens (at 64 the 128- and 512-token lone decodes read 176 and 528; at 128 the 448 shared
+tokens are 512).
 """
 
 from __future__ import annotations
