@@ -21,7 +21,7 @@ seconds summed over every step of the job, the model's pass up to its final norm
 The baseline runs the same script against another revision (a temporary git worktree), as a child process.
 Each side runs `--rounds` times (default 2), in turn as this, baseline, baseline, this, ..., and each figure is the
 side's best round for that op, as the walk benchmarks keep their best of 7. One round each, this first, gave this
-checkout 0.85-0.95x of the baseline's attention time with the same code on both sides (AMD EPYC Zen 4, session 49).
+checkout 0.85-0.96x of the baseline's attention time with the same code on both sides (AMD EPYC Zen 4, session 49).
 """
 
 from __future__ import annotations
