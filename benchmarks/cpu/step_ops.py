@@ -156,14 +156,13 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args)))
         return
-    rounds: dict[str, list[dict]] = {"this": []}
     with contextlib.ExitStack() as stack:
         trees = {"this": REPO}
         if args.baseline:
             from revisions import checkout
 
             trees["baseline"] = stack.enter_context(checkout(args.baseline))
-            rounds["baseline"] = []
+        rounds: dict[str, list[dict]] = {name: [] for name in trees}
         for index in range(args.rounds):
             order = list(trees) if index % 2 == 0 else list(trees)[::-1]  # this, baseline, baseline, this, ...
             for name in order:
