@@ -240,7 +240,14 @@ def test_llama_3_1_70b_fits_one_141_gb_card_in_fp8_with_an_8k_token_pool_but_not
     assert MemoryFit(fp8.weight_bytes, pool, None, 0.8, "FP8 linears").fits is None
 
 
-def test_the_plan_of_a_70b_fp8_gpu_job_says_it_fits_a_141_gb_card_from_the_config_alone(tmp_path, model_folder,
+# A block-wise FP8 checkpoint's config (Qwen3's and DeepSeek-V3's FP8 releases): its linears multiply in FP8 on a GPU
+# (the block kernel), so they count one byte each, as a 16-bit checkpoint quantized at load does.
+BLOCK_WISE_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+
+
+@pytest.mark.parametrize("fp8", ["model.quantization=fp8", "a block-wise FP8 checkpoint"])
+def test_the_plan_of_a_70b_fp8_gpu_job_says_it_fits_a_141_gb_card_from_the_config_alone(fp8, tmp_path, model_folder,
                                                                                          tokenizer):
     """engine.device=cuda is taken at its word here (no GPU): the folder holds config.json and a tokenizer. The
     least pool holds the longest prompt and its 100 answer tokens, in whole 16-token blocks of 320 KiB a token."""
@@ -249,11 +256,13 @@ def test_the_plan_of_a_70b_fp8_gpu_job_says_it_fits_a_141_gb_card_from_the_confi
 
     folder = tmp_path / "llama-70b"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(LLAMA_70B))
+    checkpoint = fp8 == "a block-wise FP8 checkpoint"
+    (folder / "config.json").write_text(json.dumps(
+        dict(LLAMA_70B, quantization_config=BLOCK_WISE_FP8) if checkpoint else LLAMA_70B))
     shutil.copy(model_folder / "tokenizer.json", folder / "tokenizer.json")
     pq.write_table(pa.table({"prompt": _prompts()[:4]}), tmp_path / "in.parquet")
     out = tmp_path / "out"
-    result = run_cli(["batchprefill-plan", "model=hf", f"model.path={folder}", "model.quantization=fp8",
+    result = run_cli(["batchprefill-plan", "model=hf", f"model.path={folder}", *([] if checkpoint else [fp8]),
                       "model.dtype=bfloat16", "engine.device=cuda", "plan.device_memory_gb=141",
                       "sampling.max_tokens=100", f"data.input={tmp_path / 'in.parquet'}", f"output.dir={out}",
                       "output.progress=false"], timeout=120)

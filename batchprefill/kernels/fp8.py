@@ -1,18 +1,25 @@
-"""FP8 linear weights and the FP8 matmul of a GPU.
+"""FP8 linear weights and the FP8 matmuls of a GPU.
 
-A weight held in FP8 is `data` (float8_e4m3fn `[out, in]`) times one float32 `scale` per output channel: what
-the compressed-tensors `-FP8-dynamic` checkpoints store and what `model.quantization=fp8` makes at load. On a
-Hopper GPU such a layer multiplies in FP8: each call quantizes its activation rows with one scale per row
-(dynamic per-token scaling, one Triton launch: `kernels/triton/fp8.py`) and hands both to `torch._scaled_mm`'s
-row-wise path, which applies the row and channel scales to the float32 accumulator and writes bfloat16. The
-weights' bytes, which a decode step reads in full, are half bfloat16's; the benchmark that measures what that buys
-is benchmarks/gpu/gpu_fp8.py (nothing has measured it yet). Per-channel scales keep one row of a fused QKV or
-gate/up matrix with the scale it was quantized with: fusing concatenates data and scales along the same axis.
+A weight held in FP8 is `data` (float8_e4m3fn `[out, in]`) times float32 scales: one per output channel, what the
+compressed-tensors `-FP8-dynamic` checkpoints store and what `model.quantization=fp8` makes at load, or one per
+block of 128 x 128 weights, what the block-wise checkpoints store (Qwen3's and DeepSeek-V3's FP8 releases,
+compressed-tensors' `block` strategy). On a Hopper GPU such a layer multiplies in FP8, and the weights' bytes,
+which a decode step reads in full, are half bfloat16's; the benchmark that measures what that buys is
+benchmarks/gpu/gpu_fp8.py (nothing has measured it on a GPU yet).
+- Per channel: each call quantizes its activation rows with one scale per row (dynamic per-token scaling, one
+  Triton launch: `kernels/triton/fp8.py`) and hands both to `torch._scaled_mm`'s row-wise path, which applies the
+  row and channel scales to the float32 accumulator and writes bfloat16. Per-channel scales keep one row of a
+  fused QKV or gate/up matrix with the scale it was quantized with: fusing concatenates data and scales along the
+  same axis.
+- Per block: each call quantizes its activations with one scale per row and 128 columns (as the checkpoints'
+  reference code does), then a Triton kernel multiplies tile by tile, applying both scales to each 128-deep
+  float32 product before summing (`block_fp8_matmul`). Before it, block-wise weights were dequantized to bfloat16
+  on the GPU at load: twice the bytes, so a 70B block-wise checkpoint did not fit one card.
 
 `_scaled_mm`'s row-wise path (torch 2.11, Hopper): `mat1` `[M, K]` row-major FP8, `mat2` `[K, N]` column-major
 FP8 (the `[N, K]` weight transposed, a view), `scale_a` float32 `[M, 1]`, `scale_b` float32 `[1, N]`, both
-contiguous, `out_dtype` bfloat16, K and N multiples of 16 (M is free). Layers that do not meet that, and every
-CPU, get the weight dequantized to the compute dtype at load (`model/quantization.py`).
+contiguous, `out_dtype` bfloat16, K and N multiples of 16 (M is free). Layers that do not meet that or the block
+kernel's terms, and every CPU, get the weight dequantized to the compute dtype at load (`model/weights.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from batchprefill.intmath import cdiv
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -29,19 +39,26 @@ MIN_AMAX = 1e-12
 
 @dataclass
 class Fp8Weight:
-    """A linear weight as FP8 `data` `[out, in]` times `scale` `[out]` (float32), row by row."""
+    """A linear weight as FP8 `data` `[out, in]` times float32 `scale`: one per output channel (`scale` `[out]`,
+    `block` None), or one per `block` of (rows, columns) weights (`scale` `[ceil(out / rows), ceil(in / columns)]`)."""
 
     data: torch.Tensor
     scale: torch.Tensor
+    block: tuple[int, int] | None = None
 
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as the checkpoint means it: each FP8 value times its channel's scale, in float32, then
-        rounded once to `dtype`."""
-        return (self.data.float() * self.scale[:, None]).to(dtype)
+        """The weight as the checkpoint means it: each FP8 value times its channel's or block's scale, in float32,
+        then rounded once to `dtype`."""
+        if self.block is None:
+            return (self.data.float() * self.scale[:, None]).to(dtype)
+        rows, columns = self.block
+        out_features, in_features = self.data.shape
+        per_value = self.scale.repeat_interleave(rows, 0).repeat_interleave(columns, 1)[:out_features, :in_features]
+        return (self.data.float() * per_value).to(dtype)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> Fp8Weight:
@@ -60,27 +77,58 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations `[M, K]` as FP8 with one float32 scale per row and `group` columns `[M, ceil(K / group)]` (the
+    block-wise checkpoints' dynamic scaling): the torch reference of the Triton kernel, rounded the same way."""
+    rows, width = x.shape
+    count = cdiv(width, group)
+    groups = F.pad(x.float(), (0, count * group - width)).view(rows, count, group)
+    scale = groups.abs().amax(dim=2).clamp(min=MIN_AMAX) / FP8_MAX
+    values = (groups / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return values.view(rows, count * group)[:, :width], scale
+
+
 def concat_weights(parts: list[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:
     """Weights stacked along the output axis (fused QKV, gate/up): FP8 parts keep their per-channel scales row
-    for row; a fusion a checkpoint quantized only partly is dequantized to the other parts' dtype."""
-    if all(isinstance(part, Fp8Weight) for part in parts):
-        return Fp8Weight(torch.cat([part.data for part in parts]), torch.cat([part.scale for part in parts]))
-    dtype = next(part.dtype for part in parts if isinstance(part, torch.Tensor))
+    for row, and block-scaled parts their scale rows where every part but the last fills whole blocks; any other
+    fusion is dequantized, to the other parts' dtype or to bfloat16, the one dtype FP8 weights are held in."""
+    blocks = {part.block for part in parts if isinstance(part, Fp8Weight)}
+    if len(blocks) == 1 and all(isinstance(part, Fp8Weight) for part in parts):
+        block = blocks.pop()
+        if block is None or all(part.shape[0] % block[0] == 0 for part in parts[:-1]):
+            return Fp8Weight(torch.cat([part.data for part in parts]), torch.cat([part.scale for part in parts]),
+                             block)
+    dtype = next((part.dtype for part in parts if isinstance(part, torch.Tensor)), torch.bfloat16)
     return torch.cat([part.dequantize(dtype) if isinstance(part, Fp8Weight) else part for part in parts])
 
 
 def multiplies_fp8(weight: Fp8Weight) -> bool:
-    """Whether `_scaled_mm`'s row-wise path takes this weight: on a GPU, inner and outer size multiples of 16."""
+    """Whether the FP8 matmul takes this weight (the loader asks for it on a GPU only, `loader.fp8_multiplies`):
+    per channel, `_scaled_mm`'s row-wise path takes inner and outer sizes that are multiples of 16; per block, see
+    `block_kernel_takes`."""
     out_features, in_features = weight.shape
-    return weight.data.device.type == "cuda" and out_features % 16 == 0 and in_features % 16 == 0
+    if weight.block is None:
+        return out_features % 16 == 0 and in_features % 16 == 0
+    return block_kernel_takes(weight.block)
+
+
+def block_kernel_takes(block: tuple[int, int]) -> bool:
+    """Whether the block kernel multiplies weights scaled per `block` (rows, columns): its inner tile is one block's
+    columns, which `tl.dot` takes as a power of two from 16 (256 at most, to fit the tiles in shared memory)."""
+    columns = block[1]
+    return 16 <= columns <= 256 and columns & (columns - 1) == 0
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ weight.T + bias` in FP8 on a GPU: `x` `[M, in]` bfloat16, quantized per row, then one scaled matmul
-    with a float32 accumulator; bfloat16 out."""
-    from batchprefill.kernels.triton.fp8 import quantize_rows_triton  # triton only where it runs
+    """`x @ weight.T + bias` in FP8 on a GPU: `x` `[M, in]` bfloat16, quantized per row (per row and block of
+    columns for a block-scaled weight), then one scaled matmul with a float32 accumulator; bfloat16 out."""
+    from batchprefill.kernels.triton import fp8  # triton only where it runs
 
-    quantized, row_scale = quantize_rows_triton(x)
-    out = torch._scaled_mm(quantized, weight.data.t(), scale_a=row_scale, scale_b=weight.scale[None, :],
-                           out_dtype=x.dtype)
+    if weight.block is None:
+        quantized, row_scale = fp8.quantize_rows_triton(x)
+        out = torch._scaled_mm(quantized, weight.data.t(), scale_a=row_scale, scale_b=weight.scale[None, :],
+                               out_dtype=x.dtype)
+    else:
+        quantized, group_scale = fp8.quantize_groups_triton(x, weight.block[1])
+        out = fp8.block_fp8_matmul(quantized, group_scale, weight.data, weight.scale, weight.block, x.dtype)
     return out if bias is None else out.add_(bias)

@@ -163,8 +163,9 @@ class LoadedModel:
 
 
 def fp8_multiplies(quantization: Quantization | None, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the dense linears multiply in FP8: on a GPU, in bfloat16 (`_scaled_mm`'s row-wise path writes
-    bfloat16), with scales that path takes. Elsewhere the weights are dequantized at load: correct, not faster."""
+    """Whether the dense linears multiply in FP8 (`kernels/fp8.py`): on a GPU, in bfloat16 (the FP8 matmuls write
+    bfloat16), where the checkpoint quantizes its activations too. Elsewhere the weights are dequantized at load:
+    correct, not faster."""
     return (quantization is not None and quantization.multiplies_fp8 and device.type == "cuda"
             and dtype == torch.bfloat16)
 

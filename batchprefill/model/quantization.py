@@ -27,6 +27,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from batchprefill.kernels.fp8 import block_kernel_takes
+
 # A decoder layer's dense linear weights: what a GPU may hold in FP8 and `model.quantization=fp8` quantizes
 # (routers and experts of a mixture-of-experts layer are not among them: their kernels take 16-bit weights).
 DENSE_LINEAR = re.compile(r"^(model\.)?layers\.\d+\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)"
@@ -52,11 +54,11 @@ class Quantization:
     @property
     def multiplies_fp8(self) -> bool:
         """Whether a GPU multiplies these weights in FP8 (`kernels/fp8.py`): per-channel or per-tensor weight
-        scales, which `_scaled_mm`'s row-wise path takes, and activations the checkpoint quantizes too. Block
-        scales are dequantized to bfloat16 on the GPU at load (exact, at twice the bytes), and so are the weights
-        of a weight-only checkpoint (quantizing their activations would add an error the checkpoint does not
-        have)."""
-        return self.block is None and self.dynamic_activations
+        scales through `_scaled_mm`'s row-wise path, block scales through the block kernel, where the checkpoint
+        quantizes its activations too. The weights of a weight-only checkpoint are dequantized to bfloat16 on the
+        GPU at load (exact, at twice the bytes): quantizing their activations would add an error the checkpoint
+        does not have."""
+        return self.dynamic_activations and (self.block is None or block_kernel_takes(self.block))
 
     def describe(self) -> str:
         """For the run's summary and the prefix cache's scope: "FP8 weights (compressed-tensors, per channel)"."""

@@ -76,9 +76,9 @@ def load_weights(folder: Path, dtype: torch.dtype, device: torch.device, quantiz
 
 def fp8_weight(name: str, data: torch.Tensor, scale: torch.Tensor, quantization: Quantization, dtype: torch.dtype,
                fp8_matmul: bool) -> torch.Tensor | Fp8Weight:
-    """One FP8 checkpoint weight: kept in FP8 with a scale per output channel where the GPU multiplies it so (a
-    dense decoder linear, per-channel or per-tensor scales), else dequantized to `dtype`: FP8 value times its
-    scale in float32, rounded once."""
+    """One FP8 checkpoint weight: kept in FP8 with its scales (per output channel, or per block) where the GPU
+    multiplies it so (a dense decoder linear), else dequantized to `dtype`: FP8 value times its scale in float32,
+    rounded once."""
     scale = scale.float()
     out_features, in_features = data.shape
     if quantization.block is None:
@@ -86,12 +86,12 @@ def fp8_weight(name: str, data: torch.Tensor, scale: torch.Tensor, quantization:
             raise ValueError(f"{name}: a scale of shape {tuple(scale.shape)} is neither one per tensor nor one per "
                              f"output channel of {tuple(data.shape)}")
         weight = Fp8Weight(data, scale.reshape(-1).expand(out_features).contiguous())
-        held = fp8_matmul and data.dtype == FP8 and DENSE_LINEAR.match(name) and multiplies_fp8(weight)
-        return weight if held else weight.dequantize(dtype)
-    rows, cols = quantization.block
-    grid = (cdiv(out_features, rows), cdiv(in_features, cols))
-    if tuple(scale.shape) != grid:
-        raise ValueError(f"{name}: block scales of shape {tuple(scale.shape)}, but {rows}x{cols} blocks of "
-                         f"{tuple(data.shape)} need {grid}")
-    per_value = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:out_features, :in_features]
-    return (data.float() * per_value).to(dtype)
+    else:
+        rows, cols = quantization.block
+        grid = (cdiv(out_features, rows), cdiv(in_features, cols))
+        if tuple(scale.shape) != grid:
+            raise ValueError(f"{name}: block scales of shape {tuple(scale.shape)}, but {rows}x{cols} blocks of "
+                             f"{tuple(data.shape)} need {grid}")
+        weight = Fp8Weight(data.contiguous(), scale.contiguous(), (rows, cols))
+    held = fp8_matmul and data.dtype == FP8 and DENSE_LINEAR.match(name) and multiplies_fp8(weight)
+    return weight if held else weight.dequantize(dtype)

@@ -153,7 +153,8 @@ class MemoryFit:
 
 def weight_bytes(model: ModelConfig, element_bytes: int, fp8_linears: bool) -> int:
     """The weights as a run holds them: the dense linears in one byte each where they multiply in FP8 (their
-    per-channel float32 scales, 4 bytes per output row, are left out), everything else in `element_bytes`."""
+    float32 scales, 4 bytes per output row or per 128 x 128 block, are left out), everything else in
+    `element_bytes`."""
     linear_bytes = 1 if fp8_linears else element_bytes
     return model.dense_linear_parameters() * linear_bytes + model.other_parameters() * element_bytes
 
