@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -66,7 +67,9 @@ def test_qwen3_moe_config_keeps_mlp_only_and_off_step_layers_dense_and_counts_ac
     config = read_config(tmp_path)
     assert config.sparse_layers == (False, True, False, True)
     stored = sum(p.numel() for name, p in reference.named_parameters() if "norm" not in name)
-    assert config.dense_linear_parameters() + config.other_parameters() == stored  # every expert, as the plan counts
+    # every expert, as the plan counts
+    assert config.dense_linear_parameters() + config.expert_parameters() + config.other_parameters() == stored
+    assert config.expert_parameters() == 2 * 8 * 3 * 64 * 32
     assert (config.num_experts, config.experts_per_token, config.normalize_topk) == (8, 2, True)
     attention = 64 * (64 + 2 * 32) + 64 * 64
     dense, sparse = 3 * 64 * 96, 64 * 8 + 2 * 3 * 64 * 32  # a sparse layer: router + two active experts
@@ -130,3 +133,41 @@ def test_moe_job_with_prefix_caching_reuses_the_shared_prefix_and_gives_transfor
             expected = reference.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, eos_token_id=None,
                                           pad_token_id=0)[0, len(ids):].tolist()
         assert list(rows[i]["output_token_ids"]) == expected
+
+
+def test_an_fp8_moe_checkpoints_experts_stay_fp8_on_the_fused_kernels_and_give_the_dequantized_bits(tmp_path,
+                                                                                                   model_folder):
+    """A Qwen3-MoE folder whose experts are saved in the block-wise FP8 format (16 x 16 blocks; the test's own
+    quantization), loaded in bfloat16 with the GPU's FP8 matmuls asked for (here on the CPU, Triton under the
+    interpreter): each sparse layer holds its experts in FP8, one byte a weight, and the fused kernels widen them
+    in registers to the bits dequantizing at load gives, so the logits at all 48 positions are the same bits as
+    the same folder's loaded with its experts dequantized."""
+    from safetensors.torch import load_file, save_file
+
+    from batchprefill.kernels.fp8 import Fp8Weight
+    from batchprefill.kernels.triton.ops import TritonOps
+    from batchprefill.model.quantization import read_quantization
+    from tests.test_fp8_checkpoints import quantize_blocks
+
+    save_tiny_moe("qwen3_moe", tmp_path, model_folder)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for name in [name for name in tensors if ".experts." in name]:
+        tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(tensors[name].float(), block=16)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [16, 16]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    quantization = read_quantization(config)
+    logits = {}
+    for fp8 in (True, False):
+        weights = load_weights(tmp_path, torch.bfloat16, torch.device("cpu"), quantization, fp8_matmul=fp8)
+        model = DecoderModel(read_config(tmp_path), weights, TritonOps())
+        sparse = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoe)]
+        assert len(sparse) == 2
+        for mlp in sparse:
+            for stack in mlp.experts.stacked():
+                assert isinstance(stack, Fp8Weight) == fp8
+                assert not fp8 or (stack.data.dtype == torch.float8_e4m3fn and stack.block == (16, 16))
+        logits[fp8] = prefill_logits(model, PROMPT, chunk=16)
+    assert torch.equal(logits[True], logits[False])

@@ -240,6 +240,31 @@ def test_llama_3_1_70b_fits_one_141_gb_card_in_fp8_with_an_8k_token_pool_but_not
     assert MemoryFit(fp8.weight_bytes, pool, None, 0.8, "FP8 linears").fits is None
 
 
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                 "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                 "vocab_size": 151936, "tie_word_embeddings": False, "max_position_embeddings": 40960,
+                 "rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
+
+
+def test_qwen3_30b_a3b_fp8_checkpoint_fits_a_48_gb_card_with_its_experts_in_fp8_not_dequantized(tmp_path) -> None:
+    """30.5 B parameters, 29.0 B of them in the 48 layers x 128 experts: in FP8 the weights are 31.2 GB (the
+    embedding, head and routers in bfloat16), with the experts dequantized at load 60.2 GB. With 8,192 tokens of
+    96 KiB: one 48 GB card holds the first and not the second."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    model = read_config(tmp_path)
+    assert model.expert_parameters() == 48 * 128 * 3 * 2048 * 768 == 28_991_029_248
+    assert model.dense_linear_parameters() + model.expert_parameters() + model.other_parameters() == 30_531_911_680
+    pool = 8192 * model.kv_bytes_per_token(2)
+    held = MemoryFit(weight_bytes(model, 2, fp8_linears=True, fp8_experts=True), pool, 48 * 10**9, 0.8, "FP8")
+    dequantized = MemoryFit(weight_bytes(model, 2, fp8_linears=True), pool, 48 * 10**9, 0.8, "FP8 linears")
+    assert (held.weight_bytes, dequantized.weight_bytes) == (31_166_824_448, 60_157_853_696)
+    assert held.fits is True and dequantized.fits is False
+
+
 # A block-wise FP8 checkpoint's config (Qwen3's and DeepSeek-V3's FP8 releases): its linears multiply in FP8 on a GPU
 # (the block kernel), so they count one byte each, as a 16-bit checkpoint quantized at load does.
 BLOCK_WISE_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchprefill.kernels.fp8 import Fp8Weight, concat_weights, stack_weights
 from batchprefill.kernels.linear import Linear, building_batch_invariant
 
 
@@ -17,26 +18,30 @@ class ExpertWeights:
     """One MoE layer's SwiGLU experts: `down(silu(gate(x)) * up(x))` for expert e.
 
     Held stacked, as the fused kernel reads them: gate_up `[E, 2I, H]` (gate rows first, then up rows) and
-    down `[E, H, I]`. The torch path wants one prepacked matrix per expert instead (`Linear`: oneDNN's packed
-    layout runs SmolLM2's projections 1.1-1.8x faster than `F.linear`, BENCHMARKS.md): `linears` builds them
-    on first use and, where that packing copied the weights, drops the stacked tensors, so the layer is held
-    once in whichever layout its backend runs.
+    down `[E, H, I]`; on a GPU an FP8 checkpoint's experts stay FP8 with their scales stacked alike (`Fp8Weight`,
+    per channel `[E, rows]` or per block), which the fused kernel widens in registers. The torch path wants one
+    prepacked matrix per expert instead (`Linear`: oneDNN's packed layout runs SmolLM2's projections 1.1-1.8x
+    faster than `F.linear`, BENCHMARKS.md): `linears` builds them on first use and, where that packing copied the
+    weights, drops the stacked tensors, so the layer is held once in whichever layout its backend runs.
     """
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+    def __init__(self, gate_up: torch.Tensor | Fp8Weight, down: torch.Tensor | Fp8Weight):
         self.num_experts, self.intermediate_size = gate_up.shape[0], down.shape[2]
-        self.gate_up: torch.Tensor | None = gate_up
-        self.down: torch.Tensor | None = down
+        self.gate_up: torch.Tensor | Fp8Weight | None = gate_up
+        self.down: torch.Tensor | Fp8Weight | None = down
         self._linears: list[tuple[Linear, Linear]] = []
         self._batch_invariant = building_batch_invariant()  # the linears are built later, at first use
 
     @classmethod
-    def stack(cls, gates: list[torch.Tensor], ups: list[torch.Tensor], downs: list[torch.Tensor]) -> ExpertWeights:
-        """From per-expert `[I, H]` gate and up and `[H, I]` down matrices, the layout checkpoints store."""
-        gate_up = torch.stack([torch.cat([gate, up]) for gate, up in zip(gates, ups, strict=True)])
-        return cls(gate_up, torch.stack(downs))
+    def stack(cls, gates: list[torch.Tensor | Fp8Weight], ups: list[torch.Tensor | Fp8Weight],
+              downs: list[torch.Tensor | Fp8Weight]) -> ExpertWeights:
+        """From per-expert `[I, H]` gate and up and `[H, I]` down matrices, the layout checkpoints store. FP8
+        experts stay FP8 where all of a stack's are (gate and up fuse as `concat_weights` allows: whole blocks);
+        else that stack is dequantized (each of the two kernels takes its own weights' precision)."""
+        gate_up = stack_weights([concat_weights([gate, up]) for gate, up in zip(gates, ups, strict=True)])
+        return cls(gate_up, stack_weights(downs))
 
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def stacked(self) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight]:
         if self.gate_up is None or self.down is None:
             raise ValueError("these expert weights were packed for the CPU's torch path; the fused kernel needs them "
                              "stacked on the GPU")
@@ -48,11 +53,15 @@ class ExpertWeights:
         if not self._linears:
             gate_up, down = self.stacked()
             invariant = self._batch_invariant
-            self._linears = [(Linear(gate_up[e], batch_invariant=invariant), Linear(down[e], batch_invariant=invariant))
-                             for e in range(self.num_experts)]
+            self._linears = [(Linear(_expert(gate_up, e), batch_invariant=invariant),
+                              Linear(_expert(down, e), batch_invariant=invariant)) for e in range(self.num_experts)]
             if self._linears[0][0].packed:
                 self.gate_up = self.down = None
         return self._linears
+
+
+def _expert(weights: torch.Tensor | Fp8Weight, index: int) -> torch.Tensor | Fp8Weight:
+    return weights.select(index) if isinstance(weights, Fp8Weight) else weights[index]
 
 
 def torch_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor,

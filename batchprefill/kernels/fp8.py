@@ -60,6 +60,10 @@ class Fp8Weight:
         per_value = self.scale.repeat_interleave(rows, 0).repeat_interleave(columns, 1)[:out_features, :in_features]
         return (self.data.float() * per_value).to(dtype)
 
+    def select(self, index: int) -> Fp8Weight:
+        """Matrix `index` of a stack of them (the experts of a layer, `stack_weights`)."""
+        return Fp8Weight(self.data[index], self.scale[index], self.block)
+
 
 def quantize_per_channel(weight: torch.Tensor) -> Fp8Weight:
     """A weight `[out, in]` in FP8 with one scale per output channel: its largest magnitude maps to 448, so no
@@ -100,6 +104,18 @@ def concat_weights(parts: list[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8W
                              block)
     dtype = next((part.dtype for part in parts if isinstance(part, torch.Tensor)), torch.bfloat16)
     return torch.cat([part.dequantize(dtype) if isinstance(part, Fp8Weight) else part for part in parts])
+
+
+def stack_weights(parts: list[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:
+    """Matrices of one shape stacked along a new first axis (a layer's experts): FP8 where every part is, with one
+    block shape, their scales stacked alike; else every part in the other parts' dtype or bfloat16, as
+    `concat_weights` dequantizes."""
+    blocks = {part.block for part in parts if isinstance(part, Fp8Weight)}
+    if len(blocks) == 1 and all(isinstance(part, Fp8Weight) for part in parts):
+        return Fp8Weight(torch.stack([part.data for part in parts]), torch.stack([part.scale for part in parts]),
+                         blocks.pop())
+    dtype = next((part.dtype for part in parts if isinstance(part, torch.Tensor)), torch.bfloat16)
+    return torch.stack([part.dequantize(dtype) if isinstance(part, Fp8Weight) else part for part in parts])
 
 
 def multiplies_fp8(weight: Fp8Weight) -> bool:

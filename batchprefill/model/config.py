@@ -71,9 +71,14 @@ class ModelConfig:
         """The decoder layers' dense linears (attention and gated MLPs): what an FP8 model holds in one byte each."""
         return self.num_layers * (self.attention_parameters() + 3 * self.hidden_size * self.intermediate_size)
 
+    def expert_parameters(self) -> int:
+        """A mixture-of-experts model's routed experts' projections: what an FP8 checkpoint's hold in one byte each
+        on a GPU (none here: a dense model)."""
+        return 0
+
     def other_parameters(self) -> int:
-        """What a model stores beside its dense linears, in the compute dtype: the embedding, an untied LM head or
-        a score head, and a mixture-of-experts model's routed experts (norms, a few thousand, are left out)."""
+        """What a model stores beside its dense linears and experts, in the compute dtype: the embedding, an untied
+        LM head or a score head, and a mixture-of-experts model's routers (norms, a few thousand, are left out)."""
         heads = {"lm": 0 if self.tie_word_embeddings else self.vocab_size, "score": self.num_labels, "none": 0}
         return (self.vocab_size + heads[self.head]) * self.hidden_size
 

@@ -159,15 +159,23 @@ class LoadedModel:
     model: DecoderModel
     identity: str
     quantization: Quantization | None = None  # how its linear weights are held; None: in the compute dtype
-    fp8_matmul: bool = False  # its dense linears multiply in FP8 (a GPU in bfloat16: kernels/fp8.py)
+    fp8_matmul: bool = False  # its linears multiply in FP8 (a GPU with FP8, in bfloat16: kernels/fp8.py)
+
+
+# The first GPUs with FP8 tensor cores and conversions (Ada, sm_89; Hopper, sm_90): `_scaled_mm`'s FP8 paths and
+# Triton's float8e4nv need them. An A100 (sm_80) would fail at the first FP8 matmul, so there an FP8 checkpoint
+# loads dequantized, as on a CPU.
+FP8_CAPABILITY = (8, 9)
 
 
 def fp8_multiplies(quantization: Quantization | None, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the dense linears multiply in FP8 (`kernels/fp8.py`): on a GPU, in bfloat16 (the FP8 matmuls write
-    bfloat16), where the checkpoint quantizes its activations too. Elsewhere the weights are dequantized at load:
-    correct, not faster."""
-    return (quantization is not None and quantization.multiplies_fp8 and device.type == "cuda"
-            and dtype == torch.bfloat16)
+    """Whether the linears multiply in FP8 (`kernels/fp8.py`; an FP8 checkpoint's experts, `kernels/triton/moe.py`):
+    on a GPU with FP8 (FP8_CAPABILITY), in bfloat16 (the FP8 matmuls write bfloat16), where the checkpoint
+    quantizes its activations too. Elsewhere the weights are dequantized at load: correct, not faster. A plan for
+    a GPU this machine does not have (`engine.device=cuda` without one) assumes one with FP8."""
+    if quantization is None or not quantization.multiplies_fp8 or device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return not torch.cuda.is_available() or torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
 
 
 def quantization_choice(quantization: Quantization | None, dtype: torch.dtype, device: torch.device) -> str | None:

@@ -41,10 +41,13 @@ class MoeConfig(ModelConfig):
         dense_mlps = (self.num_layers - sum(self.sparse_layers)) * 3 * self.hidden_size * self.intermediate_size
         return self.num_layers * self.attention_parameters() + dense_mlps
 
+    def expert_parameters(self) -> int:
+        """Every expert of the sparse layers (all stored, whichever run)."""
+        return sum(self.sparse_layers) * 3 * self.num_experts * self.hidden_size * self.moe_intermediate_size
+
     def other_parameters(self) -> int:
-        """Beside the embedding and heads, every expert and router of the sparse layers (all stored, whichever run)."""
-        experts = self.hidden_size * (self.num_experts + 3 * self.num_experts * self.moe_intermediate_size)
-        return super().other_parameters() + sum(self.sparse_layers) * experts
+        """Beside the embedding and heads, the sparse layers' routers."""
+        return super().other_parameters() + sum(self.sparse_layers) * self.hidden_size * self.num_experts
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,9 +30,13 @@ from dataclasses import dataclass
 from batchprefill.kernels.fp8 import block_kernel_takes
 
 # A decoder layer's dense linear weights: what a GPU may hold in FP8 and `model.quantization=fp8` quantizes
-# (routers and experts of a mixture-of-experts layer are not among them: their kernels take 16-bit weights).
+# (routers are not among them, nor experts, which only an FP8 checkpoint holds in FP8: EXPERT_LINEAR).
 DENSE_LINEAR = re.compile(r"^(model\.)?layers\.\d+\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)"
                           r"\.weight$")
+# One expert's projection in a mixture-of-experts layer (Qwen3-MoE's names, then Mixtral's): an FP8 checkpoint's
+# stay FP8 on a GPU, where the fused experts' kernel widens them in registers (`kernels/triton/moe.py`).
+EXPERT_LINEAR = re.compile(r"^(model\.)?layers\.\d+\.(mlp\.experts\.\d+\.(gate|up|down)_proj"
+                           r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
 QUANTIZATIONS = ("fp8",)  # model.quantization's values besides null
 SUPPORTED = ("FP8 checkpoints are read: compressed-tensors float-quantized, and quant_method fp8 with dynamic "
              "activations")

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from batchprefill.intmath import cdiv
 from batchprefill.kernels.fp8 import FP8, Fp8Weight, multiplies_fp8, quantize_per_channel
-from batchprefill.model.quantization import DENSE_LINEAR, Quantization
+from batchprefill.model.quantization import DENSE_LINEAR, EXPERT_LINEAR, Quantization
 
 INDEX = "model.safetensors.index.json"
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -77,8 +77,8 @@ def load_weights(folder: Path, dtype: torch.dtype, device: torch.device, quantiz
 def fp8_weight(name: str, data: torch.Tensor, scale: torch.Tensor, quantization: Quantization, dtype: torch.dtype,
                fp8_matmul: bool) -> torch.Tensor | Fp8Weight:
     """One FP8 checkpoint weight: kept in FP8 with its scales (per output channel, or per block) where the GPU
-    multiplies it so (a dense decoder linear), else dequantized to `dtype`: FP8 value times its scale in float32,
-    rounded once."""
+    multiplies it so (a dense decoder linear, or an expert's projection), else dequantized to `dtype`: FP8 value
+    times its scale in float32, rounded once."""
     scale = scale.float()
     out_features, in_features = data.shape
     if quantization.block is None:
@@ -93,5 +93,6 @@ def fp8_weight(name: str, data: torch.Tensor, scale: torch.Tensor, quantization:
             raise ValueError(f"{name}: block scales of shape {tuple(scale.shape)}, but {rows}x{cols} blocks of "
                              f"{tuple(data.shape)} need {grid}")
         weight = Fp8Weight(data.contiguous(), scale.contiguous(), (rows, cols))
-    held = fp8_matmul and data.dtype == FP8 and DENSE_LINEAR.match(name) and multiplies_fp8(weight)
+    linear = DENSE_LINEAR.match(name) or EXPERT_LINEAR.match(name)
+    held = fp8_matmul and data.dtype == FP8 and linear and multiplies_fp8(weight)
     return weight if held else weight.dequantize(dtype)

@@ -151,12 +151,14 @@ class MemoryFit:
         return self.min_pool_bytes <= self.pool_fraction * (self.device_memory_bytes - self.weight_bytes)
 
 
-def weight_bytes(model: ModelConfig, element_bytes: int, fp8_linears: bool) -> int:
-    """The weights as a run holds them: the dense linears in one byte each where they multiply in FP8 (their
-    float32 scales, 4 bytes per output row or per 128 x 128 block, are left out), everything else in
-    `element_bytes`."""
+def weight_bytes(model: ModelConfig, element_bytes: int, fp8_linears: bool, fp8_experts: bool = False) -> int:
+    """The weights as a run holds them: the dense linears in one byte each where they multiply in FP8, and a
+    mixture-of-experts model's experts where an FP8 checkpoint holds them so (their float32 scales, 4 bytes per
+    output row or per 128 x 128 block, are left out), everything else in `element_bytes`."""
     linear_bytes = 1 if fp8_linears else element_bytes
-    return model.dense_linear_parameters() * linear_bytes + model.other_parameters() * element_bytes
+    expert_bytes = 1 if fp8_experts else element_bytes
+    return (model.dense_linear_parameters() * linear_bytes + model.expert_parameters() * expert_bytes
+            + model.other_parameters() * element_bytes)
 
 
 def memory_fit(job: JobSettings, model: ModelConfig, longest_prompt: int, kv_bytes: int) -> MemoryFit:
@@ -176,7 +178,9 @@ def memory_fit(job: JobSettings, model: ModelConfig, longest_prompt: int, kv_byt
 
     device = planned_device(job)
     dtype = resolve_dtype(job.model.dtype, device)
-    fp8 = fp8_multiplies(job_quantization(model.quantization, job.model.quantization), dtype, device)
+    quantization = job_quantization(model.quantization, job.model.quantization)
+    fp8 = fp8_multiplies(quantization, dtype, device)
+    fp8_experts = fp8 and not quantization.at_load  # a 16-bit checkpoint quantized at load keeps its experts
     block = job.engine.block_size
     tokens = job.engine.kv_cache_tokens or cdiv(
         get_task(job.task).kv_tokens(longest_prompt, job.sampling.max_tokens, job.sampling.n), block) * block
@@ -188,7 +192,8 @@ def memory_fit(job: JobSettings, model: ModelConfig, longest_prompt: int, kv_byt
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     fraction = GPU_KV_MEMORY_FRACTION if device.type == "cuda" else CPU_KV_MEMORY_FRACTION
     name = str(dtype).removeprefix("torch.")
-    return MemoryFit(weight_bytes(model, torch.finfo(dtype).bits // BITS_PER_BYTE, fp8), tokens * kv_bytes, memory,
+    element_bytes = torch.finfo(dtype).bits // BITS_PER_BYTE
+    return MemoryFit(weight_bytes(model, element_bytes, fp8, fp8_experts), tokens * kv_bytes, memory,
                      fraction, f"FP8 linears, {name} otherwise" if fp8 else name)
 
 

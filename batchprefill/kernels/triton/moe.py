@@ -9,11 +9,14 @@ it can still be captured in a CUDA graph. Tiles past the last expert's rows retu
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from batchprefill.kernels.experts import ExpertWeights
+from batchprefill.kernels.fp8 import FP8, Fp8Weight
 from batchprefill.kernels.triton.attention import interpreting
 
 
@@ -26,13 +29,29 @@ def _tile_rows(sorted_pairs_ptr, tile, num_pairs, top_k, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _widened(w, scale_ptr, rows, k0, stride_sn, stride_sk, scale_rows, scale_cols, valid, dtype: tl.constexpr):
+    """A tile of FP8 weights `[BLOCK_K, BLOCK_N]` (its columns are weight `rows`) times their scales, rounded to
+    `dtype`: the bits the weights dequantized at load would have. The tile's inner range lies in one scale block
+    (`scale_cols` is a multiple of BLOCK_K, or the whole row for per-channel scales, whose `stride_sk` is 0)."""
+    scale = tl.load(scale_ptr + (rows // scale_rows) * stride_sn + (k0 // scale_cols) * stride_sk, mask=valid,
+                    other=0.0)
+    widened = w.to(tl.float32) * scale[None, :]
+    if dtype == tl.bfloat16:  # rounded to nearest, ties to even, in integer arithmetic: the interpreter's cast
+        bits = widened.to(tl.uint32, bitcast=True)  # truncates, a GPU's rounds; rounded first, both are exact
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        widened = bits.to(tl.float32, bitcast=True)
+    return widened.to(dtype)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, act_ptr, sorted_pairs_ptr, tile_experts_ptr, num_pairs, num_experts, top_k, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_at,
+    stride_xt, stride_we, stride_wn, stride_at, scale_ptr, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
-    """One program: BLOCK_M rows of one expert, BLOCK_N intermediate columns of silu(gate) * up."""
+    """One program: BLOCK_M rows of one expert, BLOCK_N intermediate columns of silu(gate) * up; `FP8`: the
+    weights are FP8, widened in registers (`_widened`)."""
     tile = tl.program_id(0)
     expert = tl.load(tile_experts_ptr + tile)
     if expert >= num_experts:  # past the last expert's rows
@@ -51,6 +70,13 @@ def _gate_up_kernel(
         w_mask = k_valid[:, None] & col_valid[None, :]
         gate_w = tl.load(w_expert + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         up_w = tl.load(w_expert + (cols + inter)[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        if FP8:
+            s_expert = scale_ptr + expert.to(tl.int64) * stride_se
+            dtype = x_ptr.dtype.element_ty
+            gate_w = _widened(gate_w, s_expert, cols, k0, stride_sn, stride_sk, scale_rows, scale_cols, col_valid,
+                              dtype)
+            up_w = _widened(up_w, s_expert, cols + inter, k0, stride_sn, stride_sk, scale_rows, scale_cols,
+                            col_valid, dtype)
         if UPCAST:
             x, gate_w, up_w = x.to(tl.float32), gate_w.to(tl.float32), up_w.to(tl.float32)
         acc_gate = tl.dot(x, gate_w, acc_gate, input_precision=DOT_PRECISION)
@@ -63,9 +89,10 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr, w_ptr, route_ptr, out_ptr, sorted_pairs_ptr, tile_experts_ptr, num_pairs, num_experts, top_k,
-    hidden, inter, stride_at, stride_we, stride_wn, stride_ot,
+    hidden, inter, stride_at, stride_we, stride_wn, stride_ot, scale_ptr, stride_se, stride_sn, stride_sk,
+    scale_rows, scale_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """One program: BLOCK_M rows of one expert, BLOCK_N hidden columns of down(act), times the router weight."""
     tile = tl.program_id(0)
@@ -84,6 +111,9 @@ def _down_kernel(
                       mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         w = tl.load(w_expert + cols[None, :] * stride_wn + ks[:, None], mask=k_valid[:, None] & col_valid[None, :],
                     other=0.0)
+        if FP8:
+            w = _widened(w, scale_ptr + expert.to(tl.int64) * stride_se, cols, k0, stride_sn, stride_sk, scale_rows,
+                         scale_cols, col_valid, act_ptr.dtype.element_ty)
         if UPCAST:
             act, w = act.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(act, w, acc, input_precision=DOT_PRECISION)
@@ -127,6 +157,24 @@ def _block_m(num_pairs: int, num_experts: int, batch_invariant: bool = False) ->
     return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
 
 
+def _weights_and_scales(weights: torch.Tensor | Fp8Weight, block_k: int) -> tuple[torch.Tensor, tuple]:
+    """A stack of expert matrices `[E, N, K]` as the kernels read it: the values, and their scales' pointer,
+    strides and block (rows, columns) for `_widened` (the values themselves and zeros for 16-bit weights, which
+    do not read them)."""
+    data = weights.data if isinstance(weights, Fp8Weight) else weights
+    if data.stride(2) != 1:
+        raise ValueError("expert weights must be contiguous in their input dimension")
+    if not isinstance(weights, Fp8Weight):
+        return data, (data, 0, 0, 0, 1, 1)
+    scale = weights.scale
+    if weights.block is None:  # [E, N]: one scale per row, whatever its column
+        return data, (scale, scale.stride(0), scale.stride(1), 0, 1, data.shape[2])
+    rows, columns = weights.block
+    if columns % block_k:
+        raise ValueError(f"FP8 expert weights in blocks of {columns} columns do not tile by {block_k}")
+    return data, (scale, scale.stride(0), scale.stride(1), scale.stride(2), rows, columns)
+
+
 def fused_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
     """The Triton `Ops.moe`: same contract and result as `torch_experts`. `batch_invariant` fixes the tiles and
@@ -137,25 +185,29 @@ def fused_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: to
         return torch.empty_like(hidden)
     hidden = hidden.contiguous()
     gate_up, down = experts.stacked()
-    if gate_up.stride(2) != 1 or down.stride(2) != 1:
-        raise ValueError("expert weights must be contiguous in their input dimension")
     block_m = _block_m(num_pairs, experts.num_experts, batch_invariant)
     block_n, block_k = (32, 32) if interpreting() else (64, 64)
+    # an FP8 stack's inner tiles stay inside its scale blocks (power-of-two widths from 16: `multiplies_fp8`)
+    block_k = math.gcd(block_k, *(w.block[1] for w in (gate_up, down) if isinstance(w, Fp8Weight) and w.block))
+    gate_up, gate_up_scales = _weights_and_scales(gate_up, block_k)
+    down, down_scales = _weights_and_scales(down, block_k)
     sorted_pairs, tile_experts = sort_by_expert(topk_ids, experts.num_experts, block_m)
     upcast = interpreting()
     precision = "ieee" if upcast or hidden.dtype == torch.float32 else "tf32"
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(tile_experts.numel(), triton.cdiv(inter, block_n))](
         hidden, gate_up, act, sorted_pairs, tile_experts, num_pairs, experts.num_experts, top_k, hidden_size, inter,
-        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), *gate_up_scales,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, DOT_PRECISION=precision,
+        FP8=gate_up.dtype == FP8,
     )
     route = topk_weights.to(hidden.dtype).flatten().contiguous()
     out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _down_kernel[(tile_experts.numel(), triton.cdiv(hidden_size, block_n))](
         act, down, route, out, sorted_pairs, tile_experts, num_pairs, experts.num_experts, top_k, hidden_size, inter,
-        act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        act.stride(0), down.stride(0), down.stride(1), out.stride(0), *down_scales,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, DOT_PRECISION=precision,
+        FP8=down.dtype == FP8,
     )
     per_slot = out.view(num_tokens, top_k, hidden_size)
     if not batch_invariant:
