@@ -46,12 +46,9 @@ import tempfile  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from gpu import Timer  # noqa: E402
+from gpu_moe import quantize_blocks  # noqa: E402
 
-from batchprefill.intmath import cdiv  # noqa: E402
 from batchprefill.kernels.fp8 import (  # noqa: E402
-    FP8,
-    FP8_MAX,
-    MIN_AMAX,
     Fp8Weight,
     quantize_groups,
     quantize_per_channel,
@@ -78,19 +75,6 @@ QUANTIZED_TOLERANCE = 0.02
 # Relative L2 per row, against the bfloat16 weight and rows unquantized: both roundings, about 2.5% RMS each; the
 # worst of 64 rows reached 5.4% at the smoke's inner size of 64, where fewer products average them out.
 ROUNDING_TOLERANCE = 0.1
-
-
-def quantize_blocks(weight: torch.Tensor, block: int = 128) -> Fp8Weight:
-    """`weight` in the block-wise checkpoints' FP8: one scale per `block` x `block` weights, its largest magnitude
-    mapped to 448."""
-    out_features, in_features = weight.shape
-    grid = (cdiv(out_features, block), cdiv(in_features, block))
-    padding = (0, grid[1] * block - in_features, 0, grid[0] * block - out_features)
-    padded = torch.nn.functional.pad(weight.float(), padding)
-    tiles = padded.view(grid[0], block, grid[1], block)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / FP8_MAX
-    values = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(padded.shape)
-    return Fp8Weight(values[:out_features, :in_features].contiguous(), scale, (block, block))
 
 
 def quantized_rows(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:

@@ -4,6 +4,11 @@ Two layer shapes: Mixtral-8x7B (8 experts of width 14336, top-2, hidden 4096) an
 width 768, top-8, hidden 2048), bf16, at decode and prefill token counts. Each row first checks the fused result
 and the loop against a float32 loop (ERROR_RATIO), then times both; the fused one also under a CUDA-graph replay
 where the tokens are few (decode), which only works if its expert sort never syncs with the host.
+
+Then the same experts in an FP8 checkpoint's block-wise format (128 x 128 blocks), which the fused kernels widen in
+registers: a row records whether their output has the bits of the bf16 experts they dequantize to (the widened
+tiles are those bits, so it should; the CPU interpreter's test asserts it), its largest difference, and the FP8
+time beside the bf16 one (half the weight bytes, which decode steps read in full).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from functools import partial
 import torch
 
 from batchprefill.kernels.experts import ExpertWeights, torch_experts
+from batchprefill.kernels.fp8 import FP8, FP8_MAX, Fp8Weight
 from batchprefill.kernels.triton.moe import fused_experts
 from batchprefill.model.moe import route
 
@@ -47,12 +53,33 @@ def random_experts(s: MoeShape, dtype: torch.dtype, device: torch.device) -> Exp
     return ExpertWeights(gate_up.to(dtype), down.to(dtype))
 
 
+def quantize_blocks(weights: torch.Tensor, block: int = 128) -> Fp8Weight:
+    """A matrix `[rows, columns]`, or a stack of them `[E, rows, columns]`, in the block-wise checkpoints' FP8: one
+    scale per `block` x `block` weights, the block's largest magnitude mapped to 448."""
+    stack = weights.float().reshape(-1, *weights.shape[-2:])
+    count, rows, columns = stack.shape
+    grid = (-(-rows // block), -(-columns // block))
+    padded = torch.nn.functional.pad(stack, (0, grid[1] * block - columns, 0, grid[0] * block - rows))
+    tiles = padded.view(count, grid[0], block, grid[1], block)
+    scale = tiles.abs().amax(dim=(2, 4)).clamp(min=1e-12) / FP8_MAX
+    values = (tiles / scale[:, :, None, :, None]).to(FP8).view(padded.shape)[:, :rows, :columns].contiguous()
+    return Fp8Weight(values.view(weights.shape), scale.view(*weights.shape[:-2], *grid), (block, block))
+
+
+def fp8_experts(experts: ExpertWeights) -> tuple[ExpertWeights, ExpertWeights]:
+    """(the experts in block-wise FP8, the same dequantized to bf16 at load)."""
+    stacks = [quantize_blocks(matrices) for matrices in experts.stacked()]
+    dequantized = [torch.stack([w.select(e).dequantize(torch.bfloat16) for e in range(w.shape[0])]) for w in stacks]
+    return ExpertWeights(*stacks), ExpertWeights(*dequantized)
+
+
 def run(smoke: bool, device: torch.device, bench: Callable[..., float]) -> list[dict]:
     """Rows of (shape, tokens, fused ms, loop ms, speed-up); raises if the fused result is off."""
     dtype, rows = torch.bfloat16, []
     for s in SMOKE if smoke else FULL:
         experts = random_experts(s, dtype, device)
         loop_experts = ExpertWeights(experts.gate_up, experts.down)  # the loop may repack its own, on a CPU
+        in_fp8, dequantized = fp8_experts(experts)
         for tokens in s.tokens:
             gen = torch.Generator(device=device).manual_seed(tokens)
             x = torch.randn(tokens, s.hidden, generator=gen, device=device).to(dtype)
@@ -72,9 +99,16 @@ def run(smoke: bool, device: torch.device, bench: Callable[..., float]) -> list[
             if device.type == "cuda" and tokens <= GRAPH_MAX_TOKENS:
                 graph_ms = bench(fused, device, graph=True)
             flops = 2 * tokens * s.top_k * 3 * s.hidden * s.width
+            fp8 = partial(fused_experts, x, in_fp8, weights, ids)
+            fp8_out, want = fp8(), fused_experts(x, dequantized, weights, ids)
+            fp8_ms, dequantized_ms = bench(fp8, device), bench(partial(fused_experts, x, dequantized, weights, ids),
+                                                               device)
             rows.append({"shape": s.name, "tokens": tokens, "fused_ms": fused_ms, "fused_graph_ms": graph_ms,
                          "torch_loop_ms": loop_ms, "speed_vs_loop": loop_ms / fused_ms,
                          "fused_tflops": flops / fused_ms / 1e9, "max_error_vs_fp32": error,
-                         "loop_max_error_vs_fp32": loop_error})
-        del experts, loop_experts
+                         "loop_max_error_vs_fp32": loop_error, "fp8_experts_ms": fp8_ms,
+                         "dequantized_experts_ms": dequantized_ms, "speed_fp8_vs_bf16": dequantized_ms / fp8_ms,
+                         "fp8_same_bits": bool(torch.equal(fp8_out, want)),
+                         "fp8_max_difference": (fp8_out.float() - want.float()).abs().max().item()})
+        del experts, loop_experts, in_fp8, dequantized
     return rows
