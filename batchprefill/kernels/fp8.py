@@ -3,9 +3,9 @@
 A weight held in FP8 is `data` (float8_e4m3fn `[out, in]`) times float32 scales: one per output channel, what the
 compressed-tensors `-FP8-dynamic` checkpoints store and what `model.quantization=fp8` makes at load, or one per
 block of 128 x 128 weights, what the block-wise checkpoints store (Qwen3's and DeepSeek-V3's FP8 releases,
-compressed-tensors' `block` strategy). On a Hopper GPU such a layer multiplies in FP8, and the weights' bytes,
-which a decode step reads in full, are half bfloat16's; the benchmark that measures what that buys is
-benchmarks/gpu/gpu_fp8.py (nothing has measured it on a GPU yet).
+compressed-tensors' `block` strategy). On a GPU with FP8 (Ada, Hopper) such a layer multiplies in FP8, and the
+weights' bytes, which a decode step reads in full, are half bfloat16's; the benchmark that measures what that buys
+is benchmarks/gpu/gpu_fp8.py (nothing has measured it on a GPU yet).
 - Per channel: each call quantizes its activation rows with one scale per row (dynamic per-token scaling, one
   Triton launch: `kernels/triton/fp8.py`) and hands both to `torch._scaled_mm`'s row-wise path, which applies the
   row and channel scales to the float32 accumulator and writes bfloat16. Per-channel scales keep one row of a
@@ -40,7 +40,8 @@ MIN_AMAX = 1e-12
 @dataclass
 class Fp8Weight:
     """A linear weight as FP8 `data` `[out, in]` times float32 `scale`: one per output channel (`scale` `[out]`,
-    `block` None), or one per `block` of (rows, columns) weights (`scale` `[ceil(out / rows), ceil(in / columns)]`)."""
+    `block` None), or one per `block` of (rows, columns) weights (`scale` `[ceil(out / rows), ceil(in / columns)]`).
+    A layer's experts are a stack of them (`stack_weights`: one more leading axis on both), `select` one of it."""
 
     data: torch.Tensor
     scale: torch.Tensor
