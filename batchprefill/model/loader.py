@@ -103,6 +103,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+# The first GPUs with FP8 tensor cores and conversions (Ada, sm_89; Hopper, sm_90): `_scaled_mm`'s FP8 paths and
+# Triton's float8e4nv need them. An A100 (sm_80) would fail at the first FP8 matmul, so there an FP8 checkpoint
+# loads dequantized, as on a CPU, and an e4m3 KV cache is refused (`refuse_kv_dtype_without_fp8`).
+FP8_CAPABILITY = (8, 9)
+
+
+def refuse_kv_dtype_without_fp8(kv_dtype: torch.dtype, device: torch.device) -> None:
+    """A JobError for an e4m3 KV cache on a GPU without FP8, which would otherwise fail compiling the first
+    attention kernel (Triton's float8e4nv)."""
+    if kv_dtype != torch.float8_e4m3fn or device.type != "cuda" or not torch.cuda.is_available():
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < FP8_CAPABILITY:
+        raise JobError(f"engine.kv_cache_dtype=fp8 (e4m3) needs a GPU with FP8 (compute capability 8.9 or later: "
+                       f"Ada, Hopper), and this one is sm_{major}{minor}; use engine.kv_cache_dtype=auto")
+
+
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """engine.kv_cache_dtype: auto = the model's dtype; a model dtype by name; or FP8 (kernels/fp8_kv.py says why
     plain fp8 is e4m3)."""
@@ -160,12 +177,6 @@ class LoadedModel:
     identity: str
     quantization: Quantization | None = None  # how its linear weights are held; None: in the compute dtype
     fp8_matmul: bool = False  # its linears multiply in FP8 (a GPU with FP8, in bfloat16: kernels/fp8.py)
-
-
-# The first GPUs with FP8 tensor cores and conversions (Ada, sm_89; Hopper, sm_90): `_scaled_mm`'s FP8 paths and
-# Triton's float8e4nv need them. An A100 (sm_80) would fail at the first FP8 matmul, so there an FP8 checkpoint
-# loads dequantized, as on a CPU.
-FP8_CAPABILITY = (8, 9)
 
 
 def fp8_multiplies(quantization: Quantization | None, dtype: torch.dtype, device: torch.device) -> bool:

@@ -25,6 +25,7 @@ from batchprefill.model.loader import (
     load_model,
     make_ops,
     quantization_choice,
+    refuse_kv_dtype_without_fp8,
     resolve_device,
     resolve_dtype,
     resolve_kv_dtype,
@@ -94,6 +95,7 @@ def load_job_model(job: JobSettings, files: ModelFiles) -> JobModel:
         torch.set_num_threads(settings.num_threads)
     dtype = resolve_dtype(job.model.dtype, device)
     kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, dtype)
+    refuse_kv_dtype_without_fp8(kv_dtype, device)
     ops = make_ops(settings.attention_backend, device, settings.batch_invariant)
     with device_memory(device, f"model {files.folder} in {str(dtype).removeprefix('torch.')}",
                        "use a GPU with more memory or a smaller model"):
