@@ -103,8 +103,7 @@ def concat_weights(parts: list[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8W
         if block is None or all(part.shape[0] % block[0] == 0 for part in parts[:-1]):
             return Fp8Weight(torch.cat([part.data for part in parts]), torch.cat([part.scale for part in parts]),
                              block)
-    dtype = next((part.dtype for part in parts if isinstance(part, torch.Tensor)), torch.bfloat16)
-    return torch.cat([part.dequantize(dtype) if isinstance(part, Fp8Weight) else part for part in parts])
+    return torch.cat(_dequantized(parts))
 
 
 def stack_weights(parts: list[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8Weight:
@@ -115,8 +114,13 @@ def stack_weights(parts: list[torch.Tensor | Fp8Weight]) -> torch.Tensor | Fp8We
     if len(blocks) == 1 and all(isinstance(part, Fp8Weight) for part in parts):
         return Fp8Weight(torch.stack([part.data for part in parts]), torch.stack([part.scale for part in parts]),
                          blocks.pop())
+    return torch.stack(_dequantized(parts))
+
+
+def _dequantized(parts: list[torch.Tensor | Fp8Weight]) -> list[torch.Tensor]:
+    """Every part in the 16-bit parts' dtype, or in bfloat16, the one dtype FP8 weights are held in."""
     dtype = next((part.dtype for part in parts if isinstance(part, torch.Tensor)), torch.bfloat16)
-    return torch.stack([part.dequantize(dtype) if isinstance(part, Fp8Weight) else part for part in parts])
+    return [part.dequantize(dtype) if isinstance(part, Fp8Weight) else part for part in parts]
 
 
 def multiplies_fp8(weight: Fp8Weight) -> bool:

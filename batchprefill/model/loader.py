@@ -109,13 +109,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 FP8_CAPABILITY = (8, 9)
 
 
+def has_fp8(device: torch.device) -> bool:
+    """Whether `device` is a GPU with FP8 (FP8_CAPABILITY). A GPU this machine does not have (a plan for
+    `engine.device=cuda` without one) is assumed to."""
+    return device.type == "cuda" and (not torch.cuda.is_available()
+                                      or torch.cuda.get_device_capability(device) >= FP8_CAPABILITY)
+
+
 def refuse_kv_dtype_without_fp8(kv_dtype: torch.dtype, device: torch.device) -> None:
     """A JobError for an e4m3 KV cache on a GPU without FP8, which would otherwise fail compiling the first
     attention kernel (Triton's float8e4nv)."""
-    if kv_dtype != torch.float8_e4m3fn or device.type != "cuda" or not torch.cuda.is_available():
-        return
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < FP8_CAPABILITY:
+    if kv_dtype == torch.float8_e4m3fn and device.type == "cuda" and not has_fp8(device):
+        major, minor = torch.cuda.get_device_capability(device)
         raise JobError(f"engine.kv_cache_dtype=fp8 (e4m3) needs a GPU with FP8 (compute capability 8.9 or later: "
                        f"Ada, Hopper), and this one is sm_{major}{minor}; use engine.kv_cache_dtype=auto")
 
@@ -183,10 +188,8 @@ def fp8_multiplies(quantization: Quantization | None, dtype: torch.dtype, device
     """Whether the linears multiply in FP8 (`kernels/fp8.py`; an FP8 checkpoint's experts, `kernels/triton/moe.py`):
     on a GPU with FP8 (FP8_CAPABILITY), in bfloat16 (the FP8 matmuls write bfloat16), where the checkpoint
     quantizes its activations too. Elsewhere the weights are dequantized at load: correct, not faster. A plan for
-    a GPU this machine does not have (`engine.device=cuda` without one) assumes one with FP8."""
-    if quantization is None or not quantization.multiplies_fp8 or device.type != "cuda" or dtype != torch.bfloat16:
-        return False
-    return not torch.cuda.is_available() or torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+    a GPU this machine does not have (`engine.device=cuda` without one) assumes one with FP8 (`has_fp8`)."""
+    return quantization is not None and quantization.multiplies_fp8 and dtype == torch.bfloat16 and has_fp8(device)
 
 
 def quantization_choice(quantization: Quantization | None, dtype: torch.dtype, device: torch.device) -> str | None:

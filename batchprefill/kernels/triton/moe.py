@@ -157,7 +157,7 @@ def _block_m(num_pairs: int, num_experts: int, batch_invariant: bool = False) ->
     return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
 
 
-def _weights_and_scales(weights: torch.Tensor | Fp8Weight, block_k: int) -> tuple[torch.Tensor, tuple]:
+def _weights_and_scales(weights: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, tuple]:
     """A stack of expert matrices `[E, N, K]` as the kernels read it: the values, and their scales' pointer,
     strides and block (rows, columns) for `_widened` (the values themselves and zeros for 16-bit weights, which
     do not read them)."""
@@ -170,8 +170,6 @@ def _weights_and_scales(weights: torch.Tensor | Fp8Weight, block_k: int) -> tupl
     if weights.block is None:  # [E, N]: one scale per row, whatever its column
         return data, (scale, scale.stride(0), scale.stride(1), 0, 1, data.shape[2])
     rows, columns = weights.block
-    if columns % block_k:
-        raise ValueError(f"FP8 expert weights in blocks of {columns} columns do not tile by {block_k}")
     return data, (scale, scale.stride(0), scale.stride(1), scale.stride(2), rows, columns)
 
 
@@ -187,10 +185,11 @@ def fused_experts(hidden: torch.Tensor, experts: ExpertWeights, topk_weights: to
     gate_up, down = experts.stacked()
     block_m = _block_m(num_pairs, experts.num_experts, batch_invariant)
     block_n, block_k = (32, 32) if interpreting() else (64, 64)
-    # an FP8 stack's inner tiles stay inside its scale blocks (power-of-two widths from 16: `multiplies_fp8`)
+    # an FP8 stack's inner tiles stay inside its scale blocks (block widths are powers of two from 16:
+    # `multiplies_fp8`), so the gcd is one of them, or the tile itself
     block_k = math.gcd(block_k, *(w.block[1] for w in (gate_up, down) if isinstance(w, Fp8Weight) and w.block))
-    gate_up, gate_up_scales = _weights_and_scales(gate_up, block_k)
-    down, down_scales = _weights_and_scales(down, block_k)
+    gate_up, gate_up_scales = _weights_and_scales(gate_up)
+    down, down_scales = _weights_and_scales(down)
     sorted_pairs, tile_experts = sort_by_expert(topk_ids, experts.num_experts, block_m)
     upcast = interpreting()
     precision = "ieee" if upcast or hidden.dtype == torch.float32 else "tf32"
