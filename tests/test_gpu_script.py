@@ -41,6 +41,23 @@ def test_gpu_benchmark_smoke_mode_runs_every_section(tmp_path):
         assert on["output_tokens"] == off["output_tokens"] == on["requests"] * 2
 
 
+def test_the_fp8_benchmark_smoke_mode_times_five_ways_at_each_row_count_and_sweeps_six_widened_tiles(tmp_path):
+    """gpu_fp8.py, the device session's second step: at the smoke's 1 and 3 rows every layer is checked and timed
+    bf16, fp8, W8A8, widened and block-scaled, and the widened kernel's six tiles are timed at 1 row per layer."""
+    out = tmp_path / "fp8.json"
+    done = run_cli(["python", str(REPO / "benchmarks" / "gpu" / "gpu_fp8.py"), "--smoke", "--out", str(out)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert [(row["tokens"], row["widens"]) for row in results["rows"]] == [(1, True), (3, True)]
+    ways = {"bf16_ms", "fp8_ms", "fp8_w8a8_ms", "fp8_widened_ms", "fp8_block_ms"}
+    for row in results["rows"]:
+        assert set(row["layers"]) == {"qkv", "o", "gate_up", "down"}
+        for layer in row["layers"].values():
+            assert ways <= set(layer) and layer["error_vs_fp8_product"] < 0.02
+    assert [(entry["tokens"], entry["layer"], len(entry["times_ms"])) for entry in results["sweep"]] == [
+        (1, "qkv", 6), (1, "o", 6), (1, "gate_up", 6), (1, "down", 6)]
+
+
 def test_the_prefill_tiles_benchmark_smoke_mode_prints_a_table_row_per_kind(tmp_path):
     out = tmp_path / "tiles.json"
     done = run_cli(["python", str(REPO / "benchmarks" / "gpu" / "gpu_prefill_tiles.py"), "--smoke", "--out", str(out)])

@@ -3,9 +3,13 @@
 A weight held in FP8 is `data` (float8_e4m3fn `[out, in]`) times float32 scales: one per output channel, what the
 compressed-tensors `-FP8-dynamic` checkpoints store and what `model.quantization=fp8` makes at load, or one per
 block of 128 x 128 weights, what the block-wise checkpoints store (Qwen3's and DeepSeek-V3's FP8 releases,
-compressed-tensors' `block` strategy). On a GPU with FP8 (Ada, Hopper) such a layer multiplies in FP8, and the
-weights' bytes, which a decode step reads in full, are half bfloat16's; the benchmark that measures what that buys
-is benchmarks/gpu/gpu_fp8.py (nothing has measured it on a GPU yet).
+compressed-tensors' `block` strategy). On a GPU with FP8 (Ada, Hopper) such a layer stays FP8, and the weights'
+bytes, which a decode step reads in full, are half bfloat16's (benchmarks/gpu/gpu_fp8.py measures what that buys).
+A call of at most WIDENED_ROWS rows (a decode step's) widens the weights in registers:
+- Widened (W8A16, `widened_fp8_matmul`): the FP8 weights are read once, converted to bfloat16 in registers, and
+  multiplied by the unquantized rows; the scales multiply the float32 sums. One launch, no error beyond the
+  checkpoint's own.
+More rows multiply in FP8 (W8A8, `fp8_product`):
 - Per channel: each call quantizes its activation rows with one scale per row (dynamic per-token scaling, one
   Triton launch: `kernels/triton/fp8.py`) and hands both to `torch._scaled_mm`'s row-wise path, which applies the
   row and channel scales to the float32 accumulator and writes bfloat16. Per-channel scales keep one row of a
@@ -35,6 +39,14 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # A row or channel of zeros gets this scale instead of 0, so that dividing by it stays finite.
 MIN_AMAX = 1e-12
+# At most this many rows multiply with the weights widened to bfloat16 in registers (W8A16, `widened_fp8_matmul`);
+# more rows are quantized and multiplied in FP8 (W8A8). On the H200, W8A8 at Llama-3-8B's decode shapes took
+# 0.94-1.02x bfloat16's time at 1-64 rows (BENCHMARKS.md): the rows' quantize launch and `_scaled_mm`'s fixed cost
+# ate the halved weight read. A decode step's few rows need the bytes halved, not FP8's tensor-core rate, which
+# pays only where the product outweighs the weight read: bfloat16's measured 685-803 TFLOP/s take as long as the
+# FP8 weights' read at 4.2 TB/s near 80 rows, and 64 is the power of two below. The crossover on a GPU is for
+# benchmarks/gpu/gpu_fp8.py to measure (it times both ways at 1-512 rows).
+WIDENED_ROWS = 64
 
 
 @dataclass
@@ -140,16 +152,28 @@ def block_kernel_takes(block: tuple[int, int]) -> bool:
     return 16 <= columns <= 256 and columns & (columns - 1) == 0
 
 
+def widens(rows: int) -> bool:
+    """Whether an FP8 linear called on `rows` rows widens its weights (W8A16) rather than multiplying in FP8."""
+    return rows <= WIDENED_ROWS
+
+
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ weight.T + bias` in FP8 on a GPU: `x` `[M, in]` bfloat16, quantized per row (per row and block of
-    columns for a block-scaled weight), then one scaled matmul with a float32 accumulator; bfloat16 out."""
+    """`x @ weight.T + bias` on a GPU for `x` `[M, in]` bfloat16, out bfloat16: with the weights widened in
+    registers where M is at most WIDENED_ROWS, else multiplied in FP8 (`fp8_product`)."""
     from batchprefill.kernels.triton import fp8  # triton only where it runs
+
+    out = fp8.widened_fp8_matmul(x, weight) if widens(x.shape[0]) else fp8_product(x, weight)
+    return out if bias is None else out.add_(bias)
+
+
+def fp8_product(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """`x @ weight.T` in FP8 (W8A8): `x` quantized per row (per row and block of columns for a block-scaled
+    weight), then one scaled matmul with a float32 accumulator; out in x's dtype."""
+    from batchprefill.kernels.triton import fp8
 
     if weight.block is None:
         quantized, row_scale = fp8.quantize_rows_triton(x)
-        out = torch._scaled_mm(quantized, weight.data.t(), scale_a=row_scale, scale_b=weight.scale[None, :],
-                               out_dtype=x.dtype)
-    else:
-        quantized, group_scale = fp8.quantize_groups_triton(x, weight.block[1])
-        out = fp8.block_fp8_matmul(quantized, group_scale, weight.data, weight.scale, weight.block, x.dtype)
-    return out if bias is None else out.add_(bias)
+        return torch._scaled_mm(quantized, weight.data.t(), scale_a=row_scale, scale_b=weight.scale[None, :],
+                                out_dtype=x.dtype)
+    quantized, group_scale = fp8.quantize_groups_triton(x, weight.block[1])
+    return fp8.block_fp8_matmul(quantized, group_scale, weight.data, weight.scale, weight.block, x.dtype)

@@ -80,9 +80,10 @@ def in_fixed_slices(multiply: Callable[[torch.Tensor], torch.Tensor], x: torch.T
 
 class Linear:
     """`y = x @ weight.T + bias`, with the weight prepacked where the device allows it; batch-invariant when
-    built inside `batch_invariant_linears(True)` (or with `batch_invariant=True`). An `Fp8Weight` multiplies in
-    FP8; batch-invariant, it runs in fixed slices as the CPU does, since `_scaled_mm` too picks its kernel by shape
-    (the per-row activation scales depend on each row alone)."""
+    built inside `batch_invariant_linears(True)` (or with `batch_invariant=True`). An `Fp8Weight` multiplies
+    through `fp8_linear` (its weights widened up to WIDENED_ROWS rows, in FP8 past them); batch-invariant, it runs
+    in fixed slices as the CPU does, so every call is one 128-row FP8 product, since `_scaled_mm` too picks its
+    kernel by shape (the per-row activation scales depend on each row alone)."""
 
     def __init__(self, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
                  batch_invariant: bool | None = None):

@@ -57,11 +57,12 @@ class Quantization:
 
     @property
     def multiplies_fp8(self) -> bool:
-        """Whether a GPU multiplies these weights in FP8 (`kernels/fp8.py`): per-channel or per-tensor weight
-        scales through `_scaled_mm`'s row-wise path, block scales through the block kernel, where the checkpoint
-        quantizes its activations too. The weights of a weight-only checkpoint are dequantized to bfloat16 on the
-        GPU at load (exact, at twice the bytes): quantizing their activations would add an error the checkpoint
-        does not have."""
+        """Whether a GPU holds these weights in FP8 and multiplies them so (`kernels/fp8.py`: widened in registers
+        for a decode step's few rows; past them per-channel or per-tensor weight scales through `_scaled_mm`'s
+        row-wise path, block scales through the block kernel), where the checkpoint quantizes its activations too.
+        The weights of a weight-only checkpoint are dequantized to bfloat16 on the GPU at load (exact, at twice
+        the bytes): quantizing their activations past a decode step's rows would add an error the checkpoint does
+        not have."""
         return self.dynamic_activations and (self.block is None or block_kernel_takes(self.block))
 
     def describe(self) -> str:

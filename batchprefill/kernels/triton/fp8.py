@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from batchprefill.intmath import cdiv
-from batchprefill.kernels.fp8 import FP8, FP8_MAX, MIN_AMAX
+from batchprefill.kernels.fp8 import FP8, FP8_MAX, MIN_AMAX, Fp8Weight
+from batchprefill.kernels.triton.attention import dot_settings, jit_unspecialized
 
 # Adding then subtracting 1.5 x 2^23 rounds a float32 of magnitude below 2^22 to an integer, ties to even.
 ROUNDING_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
@@ -104,7 +105,7 @@ def quantize_groups_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, t
     return out, scale
 
 
-@triton.jit
+@jit_unspecialized("M")
 def _block_matmul_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K, stride_am, stride_asm, stride_bn,
                          stride_bsn, stride_cm, BLOCK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -162,3 +163,77 @@ def block_fp8_matmul(x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
 def _multiprocessors(device: torch.device) -> int:
     """The GPU's streaming multiprocessors (132 on an H100 or H200); 1 elsewhere (the CPU interpreter)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+@jit_unspecialized("M")  # a step's row count: one variant for every count that takes a tile size
+def _widened_matmul_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_sk,
+                           stride_om, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, PER_BLOCK: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of `x @ (w * scale).T`: each BLOCK_K step widens its FP8 weights to x's dtype
+    (exact: every e4m3 value is a bfloat16) for one 16-bit dot with a float32 result. Per block, each step lies in
+    one scale block along the inner axis and is scaled before it is summed; per channel, the sum is scaled once."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inner = tl.arange(0, BLOCK_K)
+    column_scales = scale_ptr + (columns // SCALE_ROWS) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + inner
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + columns[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                    mask=(columns[None, :] < N) & (ks[:, None] < K), other=0.0)
+        if UPCAST:  # the interpreter's 16-bit dot is wrong (`interpreting`): both widened to float32, exactly
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        else:
+            w = w.to(x_ptr.dtype.element_ty)
+        if PER_BLOCK:
+            scale = tl.load(column_scales + (k0 // SCALE_COLS) * stride_sk, mask=columns < N, other=0.0)
+            acc += tl.dot(x, w, input_precision=DOT_PRECISION) * scale[None, :]
+        else:
+            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    if not PER_BLOCK:
+        acc *= tl.load(column_scales, mask=columns < N, other=0.0)[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + columns[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (columns[None, :] < N))
+
+
+def widened_fp8_matmul(x: torch.Tensor, weight: Fp8Weight, out_dtype: torch.dtype | None = None,
+                       block_n: int | None = None, block_k: int | None = None,
+                       num_stages: int = 4) -> torch.Tensor:
+    """`x @ weight.T` for 16-bit `x` `[M, K]` and an FP8 `weight` `[N, K]` scaled per channel or per block: the
+    weights are widened to x's dtype in registers (W8A16), so the rows are not quantized and no launch precedes
+    the product; summed in float32, out in `out_dtype` (x's by default). What a decode step's few rows need: the
+    FP8 weights are read once, at half bfloat16's bytes (`kernels/fp8.WIDENED_ROWS` says when the GPU takes it).
+    - A program takes 16 rows, or 64 past 16: one tile holds a decode step's rows, so the weights stream once, and
+      each layer compiles two variants (the row count itself is not specialized on).
+    - It takes `block_n` output columns: by default the widest of 64, 32 and 16 that gives every multiprocessor
+      two programs, so each has a second stream of weights in flight while the first waits on memory.
+    - The inner step `block_k` is 128 (a block's columns where they are fewer).
+    `block_n`, `block_k` and `num_stages` are for benchmarks/gpu/gpu_fp8.py's sweep: no GPU has measured any of
+    these choices yet."""
+    rows, inner = x.shape
+    out_features = weight.shape[0]
+    if x.stride(1) != 1 or weight.data.stride(1) != 1:
+        raise ValueError("widened_fp8_matmul reads rows and weights whose columns are adjacent (stride 1)")
+    out = torch.empty(rows, out_features, dtype=out_dtype or x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    block_m = 16 if rows <= 16 else 64
+    if block_n is None:
+        row_tiles, programs = cdiv(rows, block_m), 2 * _multiprocessors(x.device)
+        block_n = next((n for n in (64, 32) if row_tiles * cdiv(out_features, n) >= programs), 16)
+    if weight.block is None:  # per channel: one scale a row of the weight, read once after the sum
+        scale_rows, scale_cols, stride_sk, block_k = 1, 1, 0, block_k or 128
+    else:
+        (scale_rows, scale_cols), stride_sk = weight.block, weight.scale.stride(1)
+        block_k = min(block_k or 128, scale_cols)
+    upcast, precision = dot_settings(x.dtype)
+    grid = (cdiv(rows, block_m), cdiv(out_features, block_n))
+    _widened_matmul_kernel[grid](x, weight.data, weight.scale, out, rows, out_features, inner, x.stride(0),
+                                 weight.data.stride(0), weight.scale.stride(0), stride_sk, out.stride(0),
+                                 SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, PER_BLOCK=weight.block is not None,
+                                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
+                                 DOT_PRECISION=precision, num_warps=4, num_stages=num_stages)
+    return out
