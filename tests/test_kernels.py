@@ -174,6 +174,7 @@ def test_head_dim_96_pads_to_128_so_128_row_tiles_take_eight_warps() -> None:
     assert prefill_warps_and_stages(128, 80) == (8, 3)
     assert prefill_warps_and_stages(64, 96) == (4, 3)
     assert prefill_warps_and_stages(64, 192) == (8, 2)
+    assert prefill_warps_and_stages(64, 128, narrow=True) == (4, 2)  # a small shared memory: two stages
 
 
 def test_arguments_that_change_every_step_are_not_specialized() -> None:
@@ -224,7 +225,8 @@ def test_cache_dtype_differs_from_query(specs: list[tuple[int, int]]) -> None:
 
 def test_fp32_dots_run_as_tf32_only_when_torch_allows_it_else_exact_on_32_token_tiles(monkeypatch) -> None:
     """What a GPU would launch (the interpreter always runs exact fp32 dots): torch's default 'highest'
-    keeps fp32 exact on half-width KV tiles and warns once; 'high' turns on TF32; bf16 is unaffected."""
+    keeps fp32 exact on half-width KV tiles and warns once; 'high' turns on TF32; bf16 is unaffected. Tiles narrowed
+    for a small shared memory (`_narrow`) are half-width whatever the dots."""
     from batchprefill.kernels.triton import attention as triton_attention
     from batchprefill.kernels.triton import ops as triton_ops
 
@@ -235,10 +237,11 @@ def test_fp32_dots_run_as_tf32_only_when_torch_allows_it_else_exact_on_32_token_
     try:
         with pytest.warns(UserWarning, match="exact"):
             assert triton_attention.dot_settings(torch.float32) == (False, "ieee")
-        assert TritonOps()._block_n(torch.float32) == 32
-        assert TritonOps()._block_n(torch.bfloat16) == 64
+        assert TritonOps()._block_n(torch.float32, narrow=False) == 32
+        assert TritonOps()._block_n(torch.bfloat16, narrow=False) == 64
         torch.set_float32_matmul_precision("high")
         assert triton_attention.dot_settings(torch.float32) == (False, "tf32")
-        assert TritonOps()._block_n(torch.float32) == 64
+        assert TritonOps()._block_n(torch.float32, narrow=False) == 64
+        assert TritonOps()._block_n(torch.float32, narrow=True) == TritonOps()._block_n(torch.bfloat16, True) == 32
     finally:
         torch.set_float32_matmul_precision(previous)

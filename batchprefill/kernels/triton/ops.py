@@ -31,6 +31,11 @@ ALIGN = 4  # int32 entries: the decode rows start 16 bytes aligned inside the st
 # Query rows per prefill tile in a batch-invariant step, whatever the chunks: the tile the default picks for all
 # but long chunks (a decode then fills one row of it; see `TritonOps`).
 INVARIANT_BLOCK_M = 64
+# Shared memory one program may have on GPUs of Ada's and consumer Ampere's class (L4, L40S, A10, RTX 4090): 99 KB,
+# against 163 KB on an A100 and 227 KB on Hopper. There, prefill and shared-prefix tiles of 4-byte operands or of
+# heads wider than 128 need 104-144 KB, and the GPU refuses the launch (benchmarks/gpu/kernel_variants.py compiled
+# every variant for sm_89), so on such a GPU those tiles narrow (`_narrow`).
+SMALL_SHARED_MEMORY = 128 * 1024
 # The prefill launch of long chunks on Hopper (sm90), by (head_dim padded to a power of 2, the chunks come after a
 # cached context): (block_m, block_n, num_warps, num_stages), the best of 36 candidates each as
 # benchmarks/gpu/gpu_prefill_tiles.py timed them on the H200 (torch 2.11, Triton 3.6).
@@ -99,12 +104,12 @@ class TritonOps:
         self._copied: torch.cuda.Event | None = None  # the last copy out of `_host`
         self._single_tiles: torch.Tensor | None = None  # [n, 2] rows (i, 0): an invariant decode step's tiles
 
-    def _block_n(self, dtype: torch.dtype) -> int:
+    def _block_n(self, dtype: torch.dtype, narrow: bool) -> int:
         """KV tokens per tile; any size works, as each row finds its own block. Exact fp32 dots get half
-        width, as their operands take twice the registers of TF32 ones."""
+        width, as their operands take twice the registers of TF32 ones, and so do `narrow` tiles."""
         if self.block_n:
             return self.block_n
-        return 32 if dot_settings(dtype)[1] == "ieee" and not interpreting() else 64
+        return 32 if narrow or (dot_settings(dtype)[1] == "ieee" and not interpreting()) else 64
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -136,11 +141,12 @@ class TritonOps:
         if meta.plan is None:  # a caller outside the model (a test, a benchmark) planned nothing
             meta = self.plan(meta, k_cache, query.shape[1], query.dtype)
         plan = meta.plan
-        block_n = self._block_n(query.dtype)
+        narrow = _narrow(query.dtype, query.shape[2], k_cache.device)
+        block_n = self._block_n(query.dtype, narrow)
         tile_map = plan.tile_map
         if tile_map is not None:
             prefill_n, num_warps, num_stages = plan.prefill_launch or (
-                block_n, *prefill_warps_and_stages(plan.block_m, query.shape[2]))
+                block_n, *prefill_warps_and_stages(plan.block_m, query.shape[2], narrow))
             prefill_attention(
                 query, k_cache, v_cache, out, meta.query_start, meta.seq_lens, meta.block_tables, tile_map,
                 scale, plan.block_m, prefill_n, num_warps, num_stages, window, self.batch_invariant,
@@ -282,7 +288,7 @@ class TritonOps:
             tiles = HOPPER_PREFILL_TILES.get((triton.next_power_of_2(k_cache.shape[3]), after_cached))
             if tiles is not None:
                 return tiles[0], tiles[1:]
-        return (128 if long_chunks else 64), None
+        return (128 if long_chunks and not _narrow(dtype, k_cache.shape[3], k_cache.device) else 64), None
 
     def decode_segments(self, meta: AttentionMetadata, num_kv_heads: int) -> int:
         """Grid depth of a decode-only launch of `meta` (the benchmark reports it)."""
@@ -307,11 +313,30 @@ class TritonOps:
         return max(1, min(wanted, most))
 
 
-def prefill_warps_and_stages(block_m: int, head_dim: int) -> tuple[int, int]:
+def prefill_warps_and_stages(block_m: int, head_dim: int, narrow: bool = False) -> tuple[int, int]:
     """Warps and pipeline stages of a prefill tile, from its padded width (head_dim 80 and 96 run on
-    128-wide tiles: four warps would hold a 128 x 128 fp32 accumulator and spill)."""
+    128-wide tiles: four warps would hold a 128 x 128 fp32 accumulator and spill); `narrow` tiles take two
+    stages."""
     block_d = triton.next_power_of_2(head_dim)
-    return (8 if block_m * block_d >= 128 * 128 else 4), (3 if block_d <= 128 else 2)
+    return (8 if block_m * block_d >= 128 * 128 else 4), (3 if block_d <= 128 and not narrow else 2)
+
+
+def _narrow(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """Whether attention tiles must narrow to fit a small shared memory (SMALL_SHARED_MEMORY): 4-byte operands, or
+    heads wider than 128, on a GPU whose programs get less of it."""
+    return (dtype == torch.float32 or head_dim > 128) and _shared_memory(device) < SMALL_SHARED_MEMORY
+
+
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may have on `device`, as Triton checks its launches; off a GPU, no
+    limit."""
+    if device.type != "cuda":
+        return 2**31
+    from triton.runtime import driver
+
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 @functools.cache
