@@ -393,22 +393,27 @@ def rebuild(described: dict):
 
 
 RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+# Tensor-core instructions in SASS, most specific first: Hopper's FP8 and 16-bit warpgroup MMAs, then mma.sync.
+MMA_INSTRUCTIONS = ("QGMMA", "HGMMA", "HMMA")
 
 
 def resources(cubin: bytes) -> dict:
-    """Registers, stack, static shared and local (spilled) bytes of a cubin's kernel, as cuobjdump reports them."""
+    """Registers, stack and local (spilled) bytes of a cubin's kernel, as cuobjdump reports them, and the
+    tensor-core instruction its SASS uses ("-": none)."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
-        report = subprocess.run([str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True)
-    found = RESOURCES.search(report.stdout)
+        usage = subprocess.run([str(tool), "--dump-resource-usage", file.name], capture_output=True, text=True)
+        sass = subprocess.run([str(tool), "-sass", file.name], capture_output=True, text=True).stdout
+    found = RESOURCES.search(usage.stdout)
+    mma = next((name for name in MMA_INSTRUCTIONS if name in sass), "-")
     if not found:
-        return {}
+        return {"mma": mma}
     registers, stack, _, local = map(int, found.groups())
-    return {"registers": registers, "stack_bytes": stack, "spilled_bytes": local}
+    return {"registers": registers, "stack_bytes": stack, "spilled_bytes": local, "mma": mma}
 
 
 def distinct_variants(launches: list[dict], arch: int) -> list[dict]:
@@ -428,11 +433,11 @@ def distinct_variants(launches: list[dict], arch: int) -> list[dict]:
         options, signature, constants, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
         key = json.dumps([launch["kernel"], signature, sorted(map(repr, constants.items())),
                           sorted(map(repr, attrs.items())), repr(options)])
-        named = dict(zip((p.name for p in kernel.params), bound.values()))
+        named = {p.name: value for p, value in zip(kernel.params, bound.values()) if p.is_constexpr}
         variant = variants.setdefault(key, {
             "module": launch["module"], "kernel": launch["kernel"], "signature": signature, "constants": constants,
             "attrs": attrs, "options": options.__dict__, "setups": [],
-            "named_constants": {name: value for name, value in named.items() if name.isupper()}})
+            "named_constants": named})
         variant["setups"] += [s for s in launch["setups"] if s not in variant["setups"]]
     return list(variants.values())
 
@@ -501,7 +506,7 @@ def verdicts(results: list[dict], gpu: Gpu) -> list[str]:
 
 def table(results: list[dict], gpu: Gpu) -> Iterator[str]:
     yield (f"{'kernel':28s} {'tiles (constants)':58s} {'warps':>5s} {'stages':>6s} {'shared KB':>9s} {'regs':>4s} "
-           f"{'spill B':>7s} {'s':>5s}")
+           f"{'spill B':>7s} {'mma':>5s} {'s':>5s}")
     for result in sorted(results, key=lambda r: (r["kernel"], str(r["constants"]))):
         tiles = ", ".join(f"{k}={v}" for k, v in result["constants"].items() if k.startswith(("BLOCK", "GROUP")))
         if "error" in result:
@@ -510,7 +515,7 @@ def table(results: list[dict], gpu: Gpu) -> Iterator[str]:
         over = " OVER" if result["shared_bytes"] > gpu.shared_memory else ""
         yield (f"{result['kernel']:28s} {tiles[:58]:58s} {result['num_warps']:5d} {result['num_stages']:6d} "
                f"{result['shared_bytes'] / 1024:9.1f} {result.get('registers', -1):4d} "
-               f"{result.get('spilled_bytes', -1):7d} {result['seconds']:5.2f}{over}")
+               f"{result.get('spilled_bytes', -1):7d} {result.get('mma', '?'):>5s} {result['seconds']:5.2f}{over}")
 
 
 def main() -> None:
