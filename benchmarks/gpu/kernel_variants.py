@@ -61,7 +61,9 @@ GPUS = {
     "h200": Gpu(90, 132, True, True, 232448),
     "l40s": Gpu(89, 142, False, True, 101376),
     "a100": Gpu(80, 108, False, False, 166912),
+    "a10": Gpu(86, 72, False, False, 101376),  # consumer Ampere's 99 KB (A10, A40, RTX 3090); not in the suite
 }
+SUITE_GPUS = ("h200", "l40s", "a100")  # what tests/test_gpu_compile.py compiles for, and the default
 TRITON_MODULES = ("attention", "elementwise", "fp8", "lora", "matmul", "moe", "ops", "shared_decode")
 BLOCK_SIZE = 16
 MAX_NUM_SEQS = 64  # padded decode sizes 1 to 64: the widened FP8 linears' two row tiles among them
@@ -524,7 +526,8 @@ def main() -> None:
         Path(sys.argv[4]).write_text(json.dumps(compile_all(launches, int(sys.argv[3]))))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", default=",".join(GPUS), help=f"profiles to compile for, of {', '.join(GPUS)}")
+    parser.add_argument("--gpus", default=",".join(SUITE_GPUS),
+                        help=f"profiles to compile for, of {', '.join(GPUS)} (default: {', '.join(SUITE_GPUS)})")
     parser.add_argument("--compiler-python", default=sys.executable,
                         help="the Python whose Triton compiles (default: this one)")
     parser.add_argument("--out", type=Path, help="write every variant's result as JSON here")
