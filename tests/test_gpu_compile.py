@@ -3,6 +3,7 @@ shared memory each gives one program, checked here without a GPU: benchmarks/gpu
 launches of tiny jobs' warm-ups under the interpreter with each GPU's tile choices, then compiles each variant to a
 cubin with Triton's own NVIDIA backend. About two minutes on two cores, most of it compiling."""
 
+import ast
 import json
 import sys
 
@@ -27,13 +28,13 @@ def tiles(variant: dict) -> tuple:
 
 
 def test_every_variant_compiles_for_the_h200_the_l40s_and_the_a100_within_their_shared_memory(report):
-    """Each profile's setups all launch (10 on the A100, which has no FP8; 15 with FP8), every variant compiles, and
+    """Each profile's setups all launch (11 on the A100, which has no FP8; 16 with FP8), every variant compiles, and
     none needs more shared memory than its GPU gives a program (227, 99 and 163 KB), so the script exits 0. The
     attention kernels and, where the GPU has FP8, the widened and block-scaled FP8 linears are among them."""
     assert report["exit"] == 0, report["stdout"][-3000:]
     attention = {"_prefill_kernel", "_decode_kernel", "_shared_prefix_kernel", "_merge_kernel", "_store_kv_kernel"}
     fp8 = {"_widened_matmul_kernel", "_block_matmul_kernel", "_quantize_groups_kernel", "_quantize_rows_kernel"}
-    for name, setups in (("h200", 15), ("l40s", 15), ("a100", 10)):
+    for name, setups in (("h200", 16), ("l40s", 16), ("a100", 11)):
         profile = report[name]
         variants = profile["variants"]
         assert profile["failures"] == [] and len(variants) > 60
@@ -41,6 +42,19 @@ def test_every_variant_compiles_for_the_h200_the_l40s_and_the_a100_within_their_
         assert len({setup for v in variants for setup in v["setups"]}) == setups
         kernels = {v["kernel"] for v in variants}
         assert attention <= kernels and (fp8 <= kernels) == profile["gpu"]["fp8"]
+
+
+def test_every_triton_kernel_in_the_package_is_among_the_variants_compiled_for_the_h200(report):
+    """Every `*_kernel` function that batchprefill decorates for Triton (16 today), so a new kernel that no setup
+    launches fails here rather than going unchecked."""
+    decorated = set()
+    for path in (REPO / "batchprefill").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel")
+                    and any("jit" in ast.unparse(decorator) for decorator in node.decorator_list)):
+                decorated.add(node.name)
+    assert len(decorated) >= 16
+    assert decorated <= {v["kernel"] for v in report["h200"]["variants"]}
 
 
 def test_heads_of_256_and_float32_narrow_their_tiles_on_the_l40s_where_the_h200_takes_128_rows(report):

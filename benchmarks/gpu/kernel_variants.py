@@ -8,17 +8,19 @@ first H200 session lost a run to a kernel reading a global that was not a conste
 Triton's wheel carries the NVIDIA backend and its `ptxas`, so compiling needs no GPU, only the launch's argument
 types and constants. This script gets those from the jobs themselves, in two steps:
 - **Record** (this process, Triton's interpreter): tiny random models of the families and features a job can have
-  (`SETUPS`: head sizes 64 and 128, bfloat16 and FP8 KV pools, FP8 linears per channel and per block, mixture of
-  experts in bfloat16 and FP8, sliding windows, LoRA adapters, batch invariance, float32) run the engine's
-  warm-up and every padded decode size, which tests/test_start_up.py holds to cover every variant a job launches,
-  plus the FP8 linears at Llama-3-8B's decode shapes (their tiles follow the layer's width). Each kernel
-  launch is recorded with its arguments' types and alignment and its constants. The tile choices are the GPU's:
-  the kernels' `interpreting()` answers False while recording, and each GPU profile (`GPUS`) sets what the code
-  asks of the device (Hopper or not, multiprocessors).
+  (`SETUPS`: heads of 64, 128 and 256; bfloat16, float32 with exact and TF32 dots; e4m3 and e5m2 KV pools; FP8
+  linears per channel and per block; mixture of experts in bfloat16 and FP8; a sliding window; batch invariance;
+  LoRA adapters) run the engine's warm-up and every padded decode size, which tests/test_start_up.py holds to
+  cover every variant a job launches; then the batch-invariant linear (a GPU's only) and the FP8 linears at
+  Llama-3-8B's decode shapes (their tiles follow the layer's width). Each kernel launch is recorded, not run, with
+  its arguments' types and alignment and its constants. The tile choices are the GPU's: the kernels'
+  `interpreting()` answers False while recording, and each GPU profile (`GPUS`) sets what the code asks of the
+  device (Hopper or not, multiprocessors, shared memory).
 - **Compile** (a child process without the interpreter, `--compiler-python` to use another Triton, such as the
   device's): Triton's own argument binding gives each launch the signature and specialization it would get on
   the GPU, duplicates are dropped, and each variant is compiled to a cubin for the profile's architecture.
-  `cuobjdump` reads its registers, spilled bytes and shared memory.
+  Triton's metadata gives its shared memory, `cuobjdump` its registers, spilled bytes and tensor-core
+  instruction.
 
 A variant fails where it does not compile, or needs more shared memory than the architecture gives one program
 (`GPUS`: 227 KB on Hopper, 99 KB on Ada, 163 KB on an A100), which a GPU refuses at launch. The printed table
@@ -38,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,12 +90,13 @@ def describe(value: object) -> dict:
 
 
 class Recorder:
-    """Kernel launches under the interpreter, by setup; `executing` False records a launch without running it."""
+    """Kernel launches under the interpreter, by setup. A launch is recorded, not run: what a launch compiles to
+    follows from its arguments' types and the host's choices, never from a kernel's output (the variants came out
+    the same with every kernel run), and the interpreter would take minutes at a GPU's tiles."""
 
     def __init__(self):
         self.launches: dict[str, dict] = {}
         self.setup = ""
-        self.executing = False
 
     @contextmanager
     def installed(self) -> Iterator[None]:
@@ -106,7 +109,7 @@ class Recorder:
                       "args": [describe(a) for a in args], "kwargs": {k: describe(v) for k, v in kwargs.items()}}
             key = json.dumps(launch, sort_keys=True)
             self.launches.setdefault(key, launch | {"setups": []})["setups"].append(self.setup)
-            return run(kernel, *args, grid=grid, warmup=warmup, **kwargs) if self.executing else None
+            return None
 
         InterpretedFunction.run = recorded
         try:
@@ -218,100 +221,49 @@ def with_lora():
     return model
 
 
-# (name, needs FP8, builds (model, KV dtype) from the folder of tiny models)
-SETUPS: list[tuple[str, bool, Callable]] = []
+@dataclass(frozen=True)
+class Setup:
+    """A kind of job whose kernel launches are recorded: its model and how it runs."""
+
+    name: str
+    folder: str  # `hf_folder`'s kind; "lora": tests/synthetic's tiny Llama with two adapters
+    dtype: str = "bfloat16"
+    kv: str | None = None  # the KV pool's dtype; None: the model's
+    quantize: str | None = None  # model.quantization ("fp8": per channel at load)
+    block_fp8: bool = False  # the folder saved as a block-wise FP8 checkpoint (`block_fp8_folder`)
+    batch_invariant: bool = False
+    tf32: bool = False  # float32 dots as TF32 (torch.set_float32_matmul_precision("high"))
+    needs_fp8: bool = False  # only on GPUs with FP8
 
 
-def setup(name: str, fp8: bool = False) -> Callable:
-    def register(build: Callable) -> Callable:
-        SETUPS.append((name, fp8, build))
-        return build
-    return register
+SETUPS = (
+    Setup("bfloat16, head 64", "llama64"),
+    Setup("bfloat16, head 128", "llama128"),
+    Setup("bfloat16, head 256", "llama256"),
+    Setup("float32, head 128", "llama128", dtype="float32"),
+    Setup("float32 with TF32 dots, head 128", "llama128", dtype="float32", tf32=True),
+    Setup("FP8 e4m3 KV", "llama128", kv="float8_e4m3fn", needs_fp8=True),
+    Setup("FP8 e5m2 KV", "llama128", kv="float8_e5m2"),
+    Setup("FP8 linears per channel", "llama128", quantize="fp8", needs_fp8=True),
+    Setup("FP8 linears in 128 x 128 blocks", "llama128", block_fp8=True, needs_fp8=True),
+    Setup("sliding window", "mistral_window"),
+    Setup("mixture of experts", "qwen3_moe"),
+    Setup("mixture of experts, FP8 experts", "qwen3_moe", block_fp8=True, needs_fp8=True),
+    Setup("batch invariant", "llama128", batch_invariant=True),
+    Setup("LoRA adapters", "lora"),
+)
 
 
-@setup("bfloat16, head 64")
-def _head64(folder):
+def build(setup: Setup, folder: Path) -> tuple:
+    """(the setup's model on the Triton kernels, its KV pool's dtype), its folders made under `folder`."""
     import torch
-    return load(hf_folder(folder, "llama64"), torch.bfloat16), torch.bfloat16
 
-
-@setup("bfloat16, head 128")
-def _head128(folder):
-    import torch
-    return load(hf_folder(folder, "llama128"), torch.bfloat16), torch.bfloat16
-
-
-@setup("bfloat16, head 256")
-def _head256(folder):
-    import torch
-    return load(hf_folder(folder, "llama256"), torch.bfloat16), torch.bfloat16
-
-
-@setup("float32, head 128")
-def _float32(folder):
-    import torch
-    return load(hf_folder(folder, "llama128"), torch.float32), torch.float32
-
-
-@setup("float32 with TF32 dots, head 128")
-def _tf32(folder):
-    import torch
-    torch.set_float32_matmul_precision("high")  # `record` puts the precision back after each setup
-    return load(hf_folder(folder, "llama128"), torch.float32), torch.float32
-
-
-@setup("FP8 e4m3 KV", fp8=True)
-def _kv_e4m3(folder):
-    import torch
-    return load(hf_folder(folder, "llama128"), torch.bfloat16), torch.float8_e4m3fn
-
-
-@setup("FP8 e5m2 KV")
-def _kv_e5m2(folder):
-    import torch
-    return load(hf_folder(folder, "llama128"), torch.bfloat16), torch.float8_e5m2
-
-
-@setup("FP8 linears per channel", fp8=True)
-def _fp8_channel(folder):
-    import torch
-    return load(hf_folder(folder, "llama128"), torch.bfloat16, quantize="fp8"), torch.bfloat16
-
-
-@setup("FP8 linears in 128 x 128 blocks", fp8=True)
-def _fp8_block(folder):
-    import torch
-    return load(block_fp8_folder(folder, "llama128"), torch.bfloat16), torch.bfloat16
-
-
-@setup("sliding window")
-def _window(folder):
-    import torch
-    return load(hf_folder(folder, "mistral_window"), torch.bfloat16), torch.bfloat16
-
-
-@setup("mixture of experts")
-def _moe(folder):
-    import torch
-    return load(hf_folder(folder, "qwen3_moe"), torch.bfloat16), torch.bfloat16
-
-
-@setup("mixture of experts, FP8 experts", fp8=True)
-def _moe_fp8(folder):
-    import torch
-    return load(block_fp8_folder(folder, "qwen3_moe"), torch.bfloat16), torch.bfloat16
-
-
-@setup("batch invariant")
-def _invariant(folder):
-    import torch
-    return load(hf_folder(folder, "llama128"), torch.bfloat16, batch_invariant=True), torch.bfloat16
-
-
-@setup("LoRA adapters")
-def _lora(folder):
-    import torch
-    return with_lora(), torch.bfloat16
+    dtype = getattr(torch, setup.dtype)
+    kv_dtype = getattr(torch, setup.kv) if setup.kv else dtype
+    if setup.folder == "lora":
+        return with_lora(), kv_dtype
+    path = block_fp8_folder(folder, setup.folder) if setup.block_fp8 else hf_folder(folder, setup.folder)
+    return load(path, dtype, setup.quantize, setup.batch_invariant), kv_dtype
 
 
 def warm_up(model, kv_dtype) -> None:
@@ -336,25 +288,35 @@ def warm_up(model, kv_dtype) -> None:
     runner.close()
 
 
-def fp8_linears_at_8b(recorder: Recorder) -> None:
-    """The FP8 linears' launches at Llama-3-8B's decode shapes (1 and 64 rows, then 128 past the widened path),
-    per channel and per block: recorded, not run (the interpreter would take minutes)."""
+def fp8_linears_at_8b() -> None:
+    """The FP8 linears' launches at Llama-3-8B's decode shapes (1 and 64 rows, then 128 past the widened path), per
+    channel and per block."""
     import torch
 
     from batchprefill.kernels.fp8 import Fp8Weight, fp8_linear
 
-    recorder.executing = False
-    try:
-        for out_features, in_features in LLAMA3_8B_LINEARS:
-            data = torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn)
-            weights = (Fp8Weight(data, torch.ones(out_features)),
-                       Fp8Weight(data, torch.ones(out_features // 128, in_features // 128), (128, 128)))
-            for rows in (1, 64, 128):
-                x = torch.zeros(rows, in_features, dtype=torch.bfloat16)
-                for weight in weights[1:] if rows > 64 else weights:  # W8A8 per channel is `_scaled_mm`, not Triton
-                    fp8_linear(x, weight, None)
-    finally:
-        recorder.executing = True
+    for out_features, in_features in LLAMA3_8B_LINEARS:
+        data = torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn)
+        weights = (Fp8Weight(data, torch.ones(out_features)),
+                   Fp8Weight(data, torch.ones(out_features // 128, in_features // 128), (128, 128)))
+        for rows in (1, 64, 128):
+            x = torch.zeros(rows, in_features, dtype=torch.bfloat16)
+            for weight in weights[1:] if rows > 64 else weights:  # W8A8 per channel is `_scaled_mm`, not Triton
+                fp8_linear(x, weight, None)
+
+
+def invariant_linears() -> None:
+    """The batch-invariant linear's launches (`kernels/triton/matmul.py`, on a GPU only: a CPU's invariant linears
+    multiply in fixed slices), in bfloat16 and float32, with and without a bias."""
+    import torch
+
+    from batchprefill.kernels.triton.matmul import invariant_linear
+
+    for dtype in (torch.bfloat16, torch.float32):
+        weight, bias = torch.zeros(384, 256, dtype=dtype), torch.zeros(384, dtype=dtype)
+        for rows in (1, 100):
+            invariant_linear(torch.zeros(rows, 256, dtype=dtype), weight, bias)
+            invariant_linear(torch.zeros(rows, 256, dtype=dtype), weight)
 
 
 def record(gpu: Gpu, folder: Path) -> list[dict]:
@@ -363,18 +325,21 @@ def record(gpu: Gpu, folder: Path) -> list[dict]:
 
     recorder = Recorder()
     with torch.no_grad(), recorder.installed(), choosing_for(gpu):
-        for name, needs_fp8, build in SETUPS:
-            if needs_fp8 and not gpu.fp8:
+        for setup in SETUPS:
+            if setup.needs_fp8 and not gpu.fp8:
                 continue
-            recorder.setup = name
+            recorder.setup = setup.name
             precision = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision("high" if setup.tf32 else precision)
             try:
-                warm_up(*build(folder))
+                warm_up(*build(setup, folder))
             finally:
                 torch.set_float32_matmul_precision(precision)
+        recorder.setup = "batch-invariant linears"
+        invariant_linears()
         if gpu.fp8:
             recorder.setup = "FP8 linears at Llama-3-8B's shapes"
-            fp8_linears_at_8b(recorder)
+            fp8_linears_at_8b()
     return list(recorder.launches.values())
 
 
