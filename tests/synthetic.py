@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from batchprefill.intmath import cdiv
+from batchprefill.kernels.fp8 import quantize_per_channel
 from batchprefill.kernels.interface import AttentionMetadata, Ops
 from batchprefill.model.config import ModelConfig
 from batchprefill.model.decoder import DecoderModel
@@ -109,8 +110,9 @@ LAYER_SHAPES = {
 
 
 def tiny_llama(ops: Ops, num_layers: int = 1, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> DecoderModel:
-    """A random Llama of hidden size 64, 4 query heads over 2 KV heads of 16, a 50-token vocabulary."""
+               device: str | torch.device = "cpu", fp8: bool = False) -> DecoderModel:
+    """A random Llama of hidden size 64, 4 query heads over 2 KV heads of 16, a 50-token vocabulary; `fp8`: its
+    layers' linears held in FP8 with one scale per channel, as a GPU with FP8 holds them."""
     config = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=50, hidden_size=64, intermediate_size=96, num_layers=num_layers,
         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
@@ -120,6 +122,8 @@ def tiny_llama(ops: Ops, num_layers: int = 1, dtype: torch.dtype = torch.float32
     shapes = {"model.embed_tokens.weight": (50, 64), "lm_head.weight": (50, 64), "model.norm.weight": (64,)}
     shapes |= {f"model.layers.{i}.{name}": shape for i in range(num_layers) for name, shape in LAYER_SHAPES.items()}
     weights = {name: (0.3 * torch.randn(shape, generator=gen)).to(dtype).to(device) for name, shape in shapes.items()}
+    if fp8:
+        weights = {name: quantize_per_channel(w) if "_proj" in name else w for name, w in weights.items()}
     return DecoderModel(config, weights, ops)
 
 

@@ -29,9 +29,9 @@ def test_the_warm_up_runs_prefill_plain_and_shared_decode_kernels_and_leaves_the
     runner.warm_up(long_chunk=20)
     # the mixed pass: the prefill kernel (two chunks) and the decode kernel (two decodes at contexts 16 and 3,
     # no block in common); a chunk beside two decodes at context 16 holding the same 2 blocks: the shared-prefix
-    # decode; the long chunk: prefill
+    # decode; the long chunk and the 40-token one (capped at the long chunk's 20 here): prefill
     assert launched == ["prefill_attention", "decode_attention", "prefill_attention", "shared_decode_attention",
-                        "prefill_attention"]
+                        "prefill_attention", "prefill_attention"]
     assert all(not k.any() and not v.any() for k, v in runner.kv_caches)
 
 
@@ -146,4 +146,14 @@ def test_a_job_mixing_two_lora_adapters_and_the_base_launches_no_variant_the_war
     model.attach_adapters([{"qkv": LoraWeights(64, 128, {1: delta(8), 2: delta(16)})}])
     warm, job = variants_launched(monkeypatch, model, "eager", [1, 0, 2])
     assert any(key[0] == "_lora_kernel" for key in job)
+    assert not job - warm, sorted(key[0] for key in job - warm)
+
+
+def test_a_job_on_fp8_linears_launches_no_variant_the_warm_up_did_not_compile(monkeypatch):
+    """FP8 linears widen their weights in 16-row tiles up to 16 rows and 64-row tiles up to 64 (then W8A8): a
+    job whose decodes run eagerly (no padded path: engine.cuda_graphs=false) launches both tile sizes, and mixed
+    steps of 17-24 rows here."""
+    model = tiny_llama(TritonOps(), dtype=torch.bfloat16, fp8=True)
+    warm, job = variants_launched(monkeypatch, model, "off", [0])
+    assert "_widened_matmul_kernel" in {key[0] for key in job}
     assert not job - warm, sorted(key[0] for key in job - warm)

@@ -31,8 +31,7 @@ def compiles_kernels(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def warm_up_passes(block_size: int, long_chunk: int, decode_only: bool, adapters: bool
-                   ) -> list[tuple[list[int], list[int]]]:
+def warm_up_passes(block_size: int, long_chunk: int, decode_only: bool) -> list[tuple[list[int], list[int]]]:
     """The warm-up's steps as (query lengths, contexts): what a job's steps launch, so that no kernel variant
     compiles inside one (tests/test_start_up.py runs jobs and finds every variant they launch among these).
     - a chunk from scratch, a chunk after a cached context and two decodes that share no block;
@@ -42,14 +41,15 @@ def warm_up_passes(block_size: int, long_chunk: int, decode_only: bool, adapters
     - with `decode_only` (decode-only steps run eagerly: no padded decode path, as with LoRA adapters or
       engine.cuda_graphs=false), two decode-only steps, one with two decodes sharing two blocks beside a third and
       one with none shared: without indexed chunk rows their kernels take other variants;
-    - with `adapters`, the first sequence of each step runs the first adapter, and a 40-token chunk is added: the
-      LoRA kernel's tile follows the step's longest run of one adapter (up to 16, 64 and more tokens)."""
+    - a 40-token chunk, a step of 17 to 64 rows: the LoRA kernel's tile follows the step's longest run of one
+      adapter (up to 16, 64 and more tokens), and FP8 linears widen their weights in tiles of 16 rows up to 16 and
+      of 64 up to 64 (a job whose decodes ran eagerly compiled the second inside a step without it).
+    With adapters, the first sequence of each step runs the first adapter (`ModelRunner.warm_up`)."""
     size = block_size
     passes = [([5, 3, 1, 1], [0, size, 2 * size, 3]), ([3, 1, 1], [size, 2 * size, 2 * size]), ([long_chunk], [0])]
     if decode_only:
         passes += [([1, 1, 1], [2 * size, 2 * size, 3]), ([1, 1], [3, 5])]
-    if adapters:
-        passes.append(([min(40, long_chunk)], [0]))
+    passes.append(([min(40, long_chunk)], [0]))
     return passes
 
 
@@ -98,7 +98,7 @@ class ModelRunner:
         slot -1, so nothing is written to the pool (the padded decode path warms its own kernels as it captures)."""
         size, longest = self.block_size, self.model.config.max_positions
         with_adapters = bool(self.model.adapters)
-        for query_lens, contexts in warm_up_passes(size, min(long_chunk, longest), decode_only, with_adapters):
+        for query_lens, contexts in warm_up_passes(size, min(long_chunk, longest), decode_only):
             query_lens, contexts = np.array(query_lens), np.array(contexts)
             seq_lens = contexts + query_lens
             query_start = np.concatenate([[0], np.cumsum(query_lens)])
