@@ -120,12 +120,14 @@ class Recorder:
 
 @contextmanager
 def choosing_for(gpu: Gpu) -> Iterator[None]:
-    """The kernels' host code choosing tiles as on `gpu`, while the kernels themselves stay interpreted."""
+    """The kernels' host code choosing tiles, and the loader holding FP8 weights, as on `gpu`, while the kernels
+    themselves stay interpreted."""
     modules = [importlib.import_module(f"batchprefill.kernels.triton.{name}") for name in TRITON_MODULES]
+    modules.append(importlib.import_module("batchprefill.model.loader"))  # whether the GPU multiplies in FP8
     replaced = {"interpreting": lambda: False, "_hopper": lambda device: gpu.hopper,
                 "_default_target_programs": lambda device: 2 * gpu.multiprocessors,
                 "_multiprocessors": lambda device: gpu.multiprocessors,
-                "_shared_memory": lambda device: gpu.shared_memory}
+                "_shared_memory": lambda device: gpu.shared_memory, "has_fp8": lambda device: gpu.fp8}
     saved = [(module, name, getattr(module, name)) for module in modules for name in replaced if hasattr(module, name)]
     for module, name, _ in saved:
         setattr(module, name, replaced[name])
@@ -185,21 +187,16 @@ def block_fp8_folder(folder: Path, kind: str) -> Path:
 
 
 def load(folder: Path, dtype, quantize: str | None = None, batch_invariant: bool = False):
-    """A DecoderModel on the Triton kernels with FP8 weights held as a GPU with FP8 holds them: the folder's own
-    quantization, or `quantize` ("fp8": per channel at load)."""
+    """The folder's model on the Triton kernels, loaded as a job loads it (`loader.load_model`): its FP8 weights,
+    or with `quantize` ("fp8") its linears quantized at load, held as the profile's GPU holds them
+    (`choosing_for` answers `has_fp8`)."""
     import torch
 
-    from batchprefill.kernels.linear import batch_invariant_linears
     from batchprefill.kernels.triton.ops import TritonOps
-    from batchprefill.model.decoder import DecoderModel
-    from batchprefill.model.families import read_config
-    from batchprefill.model.quantization import job_quantization, read_quantization
-    from batchprefill.model.weights import load_weights
+    from batchprefill.model.loader import load_model
 
-    quantization = job_quantization(read_quantization(json.loads((folder / "config.json").read_text())), quantize)
-    weights = load_weights(folder, dtype, torch.device("cpu"), quantization, fp8_matmul=quantization is not None)
-    with batch_invariant_linears(batch_invariant):
-        return DecoderModel(read_config(folder), weights, TritonOps(batch_invariant=batch_invariant))
+    return load_model(folder, dtype, torch.device("cpu"), TritonOps(batch_invariant=batch_invariant),
+                      quantize=quantize).model
 
 
 def with_lora():
